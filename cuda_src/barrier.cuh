@@ -1,0 +1,43 @@
+// Cross-GPU barrier of one block per GPU over the NVLink buffers (DeepEP's barrier_block).
+//
+// Every rank owns a row of kNumNvlRanks signal words at the start of its NVLink buffer. Entering, rank r adds
+// kTag to its own row's slot t and subtracts kTag from slot r of rank t's row, for every t. Slot t of r's row
+// then returns to <= 0 exactly when t has entered too (its -kTag cancels r's +kTag), so r waits until every slot
+// of its own row is <= 0. All rows are back to 0 once everyone is through, so the barrier needs no reset and a
+// rank one barrier ahead only drives a slot negative, which still reads as "arrived".
+#pragma once
+
+#include "peers.cuh"
+#include "ptx.cuh"
+#include "wait.cuh"
+
+namespace epjit {
+
+constexpr int kBarrierTag = 1 << 20;
+
+template <int kNumNvlRanks>
+__device__ __forceinline__ void nvl_barrier_block(const PeersTable* peers, const char* site) {
+    static_assert(kNumNvlRanks <= kMaxNvlRanks, "too many NVLink ranks");
+    const int t = static_cast<int>(threadIdx.x);
+    const int me = peers->nvl_rank;
+    // Everything this block wrote before the barrier (to any GPU) must be visible system-wide before a peer
+    // can see our arrival: each thread fences its own writes, bar.sync orders them before the releases below.
+    ptx::fence_acq_rel_sys();
+    __syncthreads();
+    if (t < kNumNvlRanks) {
+        int* my_row = nvl_ptr<int>(peers, me, kNvlBarrierOffset);
+        int* peer_row = nvl_ptr<int>(peers, t, kNvlBarrierOffset);
+        ptx::red_add_release_sys_s32(my_row + t, kBarrierTag);
+        ptx::red_add_release_sys_s32(peer_row + me, -kBarrierTag);
+        // The acquire load pairs with the peer's release subtraction: once we see it, the peer's earlier
+        // writes (into our buffer, say) are visible to this thread, and bar.sync below extends that to the block.
+        const int peer_rank = peers->rank - me + t;
+        timeout_while(peers, WaitSite{site, peer_rank, static_cast<int>(blockIdx.x), 0}, [&](int64_t& seen) {
+            seen = ptx::ld_acquire_sys_s32(my_row + t);
+            return seen > 0;
+        });
+    }
+    __syncthreads();
+}
+
+}  // namespace epjit

@@ -1,0 +1,85 @@
+// The one device-side view of peer memory every kernel gets: a PeersTable in device memory, built by
+// epjit/memory.py, holding the CUDA-IPC-mapped NVLink buffers of the ranks of my NVLink node and the
+// NVSHMEM symmetric heap with a direct pointer to each PE's copy where NVSHMEM gives one (nvshmem_ptr).
+//
+// PeersTable (device memory, 8 KiB + 128 B; offsets are fixed: epjit/memory.py packs it with the same
+// numbers and tests/test_layouts.py checks them against the static_asserts below)
+//
+//   0   int32  rank            4   int32 num_ranks      8   int32 nvl_rank     12  int32 num_nvl_ranks
+//   16  int64  nvl_bytes       24  int64 sym_bytes      32  uint64 timeout_ns
+//   40  WaitRecord* wait_record (mapped pinned host memory: the host reads it after a trap)
+//   48  void*  sym_base (my copy of the symmetric allocation)
+//   56  int32  wait_claim (the first waiter that times out takes it with a CAS) 60 int32 pad
+//   64  void*  nvl[kMaxNvlRanks]        IPC pointer to NVLink buffer of nvl rank i (mine included)
+//   128 void*  sym_peer[kMaxRanks]      nvshmem_ptr(sym_base, pe), or nullptr where only RDMA reaches it
+//
+// Every NVLink buffer begins with kNvlHeaderBytes of control words (below); payload starts after them.
+//
+//   nvl buffer:  [ barrier signals: int32[kMaxNvlRanks] | ... reserved ... ][ payload ... ]
+//                0                                      kNvlHeaderBytes
+#pragma once
+
+#include "types.cuh"
+
+namespace epjit {
+
+constexpr int kMaxNvlRanks = 8;
+constexpr int kMaxRanks = 1024;
+constexpr int64_t kNvlHeaderBytes = 4096;
+constexpr int64_t kNvlBarrierOffset = 0;
+
+// What a timed-out spin-wait leaves for the host (epjit/memory.py: WAIT_RECORD_DTYPE).
+struct WaitRecord {
+    int32_t status;      // 0: nothing happened; 1: a wait timed out (written last)
+    int32_t rank;        // the rank that waited
+    int32_t peer;        // the rank it waited for (-1: none in particular)
+    int32_t channel;     // channel / block it waited in (-1: none)
+    int64_t expected;    // what it waited to see
+    int64_t observed;    // what it saw last
+    int64_t elapsed_ns;  // how long it waited
+    char site[88];       // which kernel and which wait
+};
+static_assert(sizeof(WaitRecord) == 128, "WaitRecord layout is shared with epjit/memory.py");
+
+struct PeersTable {
+    int32_t rank;
+    int32_t num_ranks;
+    int32_t nvl_rank;
+    int32_t num_nvl_ranks;
+    int64_t nvl_bytes;
+    int64_t sym_bytes;
+    uint64_t timeout_ns;
+    WaitRecord* wait_record;
+    void* sym_base;
+    int32_t wait_claim;
+    int32_t pad;
+    void* nvl[kMaxNvlRanks];
+    void* sym_peer[kMaxRanks];
+};
+static_assert(__builtin_offsetof(PeersTable, rank) == 0, "PeersTable.rank");
+static_assert(__builtin_offsetof(PeersTable, num_ranks) == 4, "PeersTable.num_ranks");
+static_assert(__builtin_offsetof(PeersTable, nvl_rank) == 8, "PeersTable.nvl_rank");
+static_assert(__builtin_offsetof(PeersTable, num_nvl_ranks) == 12, "PeersTable.num_nvl_ranks");
+static_assert(__builtin_offsetof(PeersTable, nvl_bytes) == 16, "PeersTable.nvl_bytes");
+static_assert(__builtin_offsetof(PeersTable, sym_bytes) == 24, "PeersTable.sym_bytes");
+static_assert(__builtin_offsetof(PeersTable, timeout_ns) == 32, "PeersTable.timeout_ns");
+static_assert(__builtin_offsetof(PeersTable, wait_record) == 40, "PeersTable.wait_record");
+static_assert(__builtin_offsetof(PeersTable, sym_base) == 48, "PeersTable.sym_base");
+static_assert(__builtin_offsetof(PeersTable, wait_claim) == 56, "PeersTable.wait_claim");
+static_assert(__builtin_offsetof(PeersTable, nvl) == 64, "PeersTable.nvl");
+static_assert(__builtin_offsetof(PeersTable, sym_peer) == 128, "PeersTable.sym_peer");
+static_assert(sizeof(PeersTable) == 8320, "PeersTable size");
+
+// The NVLink buffer of nvl rank i, as a T*, `offset` bytes past its start.
+template <typename T = void>
+__device__ __forceinline__ T* nvl_ptr(const PeersTable* peers, int nvl_rank, int64_t offset) {
+    return reinterpret_cast<T*>(static_cast<char*>(peers->nvl[nvl_rank]) + offset);
+}
+
+// My copy of the symmetric allocation, `offset` bytes in (the address NVSHMEM put/signal calls take).
+template <typename T = void>
+__device__ __forceinline__ T* sym_local(const PeersTable* peers, int64_t offset) {
+    return reinterpret_cast<T*>(static_cast<char*>(peers->sym_base) + offset);
+}
+
+}  // namespace epjit

@@ -1,0 +1,122 @@
+// The PTX epjit's kernels use, one named one-liner per instruction. Names follow the PTX qualifiers in order
+// (`ld.acquire.sys.global.s32` -> ld_acquire_sys_s32). No other file in cuda_src/ may contain `asm`: a test
+// checks it, so every memory-ordering decision is spelt in one vocabulary and can be read in one place.
+//
+// Scopes: `.sys` orders against other GPUs reading/writing our memory over NVLink (and the host); `.gpu` only
+// against other SMs of this GPU. Release/acquire pair across GPUs: a `st_release_sys` or `red_add_release_sys`
+// by the writer makes every earlier write of that thread visible to a reader whose `ld_acquire_sys` observes it.
+#pragma once
+
+#include "types.cuh"
+
+namespace epjit::ptx {
+
+/// Acquire / relaxed loads
+__device__ __forceinline__ int ld_acquire_sys_s32(const int* p) {
+    int v;
+    asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ int ld_acquire_gpu_s32(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint64_t ld_acquire_gpu_u64(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ int ld_volatile_s32(const int* p) {
+    int v;
+    asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ int ld_relaxed_sys_s32(const int* p) {
+    int v;
+    asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+/// Release stores
+__device__ __forceinline__ void st_release_sys_s32(int* p, int v) {
+    asm volatile("st.release.sys.global.s32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_sys_u64(uint64_t* p, uint64_t v) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_gpu_s32(int* p, int v) {
+    asm volatile("st.release.gpu.global.s32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_sys_s32(int* p, int v) {
+    asm volatile("st.relaxed.sys.global.s32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+}
+
+/// Streaming 16-byte loads and stores that leave L1 alone: bulk payload is touched once, and keeping it out of
+/// L1 leaves the cache to the compute kernels running beside communication (DeepEP's measured choice).
+/// `.nc` (non-coherent, read-only path) is only legal on data no one writes during the kernel.
+__device__ __forceinline__ int4 ld_global_nc_L1_no_allocate_v4(const int4* p) {
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+__device__ __forceinline__ int4 ld_volatile_global_v4(const int4* p) {
+    int4 v;
+    asm volatile("ld.volatile.global.v4.s32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+__device__ __forceinline__ void st_global_L1_no_allocate_v4(int4* p, const int4& v) {
+    asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};"
+                 : : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+
+/// Fences
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+__device__ __forceinline__ void fence_sc_sys() { asm volatile("fence.sc.sys;" ::: "memory"); }
+
+/// Atomics and reductions (system scope: peers on other GPUs update the same word over NVLink)
+__device__ __forceinline__ void red_add_release_sys_s32(int* p, int v) {
+    asm volatile("red.release.sys.global.add.s32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void red_add_relaxed_sys_s32(int* p, int v) {
+    asm volatile("red.relaxed.sys.global.add.s32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void red_add_release_gpu_s32(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int atom_add_acq_rel_sys_s32(int* p, int v) {
+    int old;
+    asm volatile("atom.acq_rel.sys.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+__device__ __forceinline__ int atom_cas_acq_rel_sys_s32(int* p, int expected, int desired) {
+    int old;
+    asm volatile("atom.acq_rel.sys.global.cas.b32 %0, [%1], %2, %3;"
+                 : "=r"(old) : "l"(p), "r"(expected), "r"(desired) : "memory");
+    return old;
+}
+
+/// Timers
+// %globaltimer counts nanoseconds (coarse ticks, ~1 us on Hopper) and is the same clock on every SM, so a
+// timeout measured with it does not depend on the SM clock or on which SM a block landed on.
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+/// Traps
+__device__ __forceinline__ void trap() { asm volatile("trap;"); }
+
+}  // namespace epjit::ptx

@@ -1,0 +1,68 @@
+// The one spin-wait of epjit. Every loop that polls memory another GPU (or another SM) writes goes through
+// timeout_while, so a peer that never arrives turns into an error that names the rank, the peer, the channel
+// and the values, instead of a hang (pplx-kernels' silent `while (flag != 0);` is what we never ship).
+//
+// On expiry the first waiter to claim PeersTable::wait_claim writes a WaitRecord into mapped pinned host
+// memory, makes it visible system-wide, and traps. A trap kills the kernel and leaves the CUDA context
+// unusable: the host sees a launch failure at its next synchronisation, reads the record (host memory outlives
+// the context) and raises EpjitTimeoutError with it. Other waiters that time out meanwhile do not trap
+// themselves (that could end the grid before the record is complete): they park until the winner's trap.
+#pragma once
+
+#include "types.cuh"
+
+#include "peers.cuh"
+#include "ptx.cuh"
+
+namespace epjit {
+
+struct WaitSite {
+    const char* what;   // "kernel: what is awaited", e.g. "nvl_barrier: peer's signal <= 0"
+    int peer;           // rank waited for, or -1
+    int channel;        // channel/block, or -1
+    int64_t expected;   // value awaited (the condition is in `what`)
+};
+
+__device__ __noinline__ void report_timeout(const PeersTable* peers, const WaitSite& site, int64_t observed,
+                                            uint64_t elapsed_ns) {
+    auto* claim = const_cast<int32_t*>(&peers->wait_claim);
+    if (atomicCAS(claim, 0, 1) == 0) {
+        WaitRecord* rec = peers->wait_record;
+        rec->rank = peers->rank;
+        rec->peer = site.peer;
+        rec->channel = site.channel;
+        rec->expected = site.expected;
+        rec->observed = observed;
+        rec->elapsed_ns = static_cast<int64_t>(elapsed_ns);
+        int i = 0;
+        for (; i < static_cast<int>(sizeof(rec->site)) - 1 && site.what[i] != '\0'; ++i) rec->site[i] = site.what[i];
+        rec->site[i] = '\0';
+        // The fields must reach host memory before the status word that tells the host to read them.
+        ptx::fence_sc_sys();
+        ptx::st_release_sys_s32(&rec->status, 1);
+        ptx::fence_sc_sys();
+        ptx::trap();
+    }
+    // Someone else is reporting; its trap ends this grid.
+    while (true) __nanosleep(1000);
+}
+
+// Spins while keep_waiting(observed) returns true. keep_waiting performs the (acquire) load itself and stores
+// what it saw in `observed`, so the report carries the last value. The clock is read only every 256 polls:
+// %globaltimer is slow to read and a timeout of seconds needs no finer grain.
+template <typename KeepWaiting>
+__device__ __forceinline__ void timeout_while(const PeersTable* peers, const WaitSite& site,
+                                              KeepWaiting&& keep_waiting) {
+    int64_t observed = 0;
+    if (!keep_waiting(observed)) return;
+    const uint64_t start = ptx::globaltimer_ns();
+    for (uint32_t polls = 1;; ++polls) {
+        if (!keep_waiting(observed)) return;
+        if ((polls & 255u) == 0) {
+            const uint64_t elapsed = ptx::globaltimer_ns() - start;
+            if (elapsed > peers->timeout_ns) report_timeout(peers, site, observed, elapsed);
+        }
+    }
+}
+
+}  // namespace epjit

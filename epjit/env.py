@@ -1,0 +1,75 @@
+"""Every ``EPJIT_*`` setting, read in one place.
+
+Settings that change generated code are returned by :func:`codegen_settings` and become part of the JIT cache key.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be > 0")
+    return value
+
+
+def _optional_float(name: str) -> float | None:
+    """Like :func:`_float`, but unset (or empty) means "no limit"."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    return _float(name, 0.0)
+
+
+@dataclass(frozen=True)
+class Settings:
+    cache_dir: Path
+    timeout_s: float
+    log: str
+    arch: str | None
+    keep_source: bool
+    collective_timeout_s: float | None = None
+
+
+def settings() -> Settings:
+    """Read the environment now (not at import), so tests and launchers may change it."""
+    return Settings(
+        # Where compiled cubins are kept: $EPJIT_CACHE_DIR/<epjit version>/<sm_XX>/<kernel>.<hash16>.cubin
+        cache_dir=Path(os.environ.get("EPJIT_CACHE_DIR") or Path.home() / ".cache" / "epjit"),
+        # How long any kernel spin-wait may poll before it records what it waited for and traps.
+        timeout_s=_float("EPJIT_TIMEOUT_S", 100.0),
+        # "info" (quiet) or "debug".
+        log=os.environ.get("EPJIT_LOG", "info").lower(),
+        # Compile for this arch instead of the current device's (e.g. "sm_90" on a machine with no GPU).
+        arch=os.environ.get("EPJIT_ARCH") or None,
+        # Keep the generated source beside the cubin even when it compiled (always kept on failure).
+        keep_source=os.environ.get("EPJIT_KEEP_SOURCE", "0") not in ("", "0"),
+        # How long a host-side collective (allgather/bcast/barrier of epjit.Group) may wait for the other ranks
+        # before it raises CollectiveError. Unset: wait for ever (ranks may legitimately wait minutes while one
+        # of them compiles; the launcher or mpirun ends the job when a rank dies).
+        collective_timeout_s=_optional_float("EPJIT_COLLECTIVE_TIMEOUT_S"),
+    )
+
+
+def codegen_settings() -> dict[str, str]:
+    """Settings that change a kernel binary (part of the cache key). None yet: the timeout is a runtime value."""
+    return {}
+
+
+# Variables of the launcher's own channel (set by ``python -m epjit.launch`` for each rank it starts).
+LAUNCH_ADDR = "EPJIT_LAUNCH_ADDR"  # host:port of the launcher's rendezvous server
+LAUNCH_TOKEN = "EPJIT_LAUNCH_TOKEN"  # secret shared by the launcher and its ranks
+RANK = "EPJIT_RANK"
+WORLD_SIZE = "EPJIT_WORLD_SIZE"
+LOCAL_RANK = "EPJIT_LOCAL_RANK"
+LOCAL_SIZE = "EPJIT_LOCAL_SIZE"

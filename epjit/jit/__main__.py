@@ -1,0 +1,54 @@
+"""``python -m epjit.jit --check [--arch sm_90] [--force]``: compile and link every kernel module, print the times.
+
+Needs no GPU: the arch comes from --arch, EPJIT_ARCH or the current device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from ..errors import EpjitError
+from .compiler import compile_spec, normalize_arch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m epjit.jit", description=__doc__)
+    parser.add_argument("--check", action="store_true", help="compile and link every module")
+    parser.add_argument("--arch", help="target, e.g. sm_90 (default: EPJIT_ARCH or the current GPU)")
+    parser.add_argument("--force", action="store_true", help="ignore the disk cache (compile everything again)")
+    args = parser.parse_args(argv)
+    if not args.check:
+        parser.print_help()
+        return 2
+    from ..kernels import check_specs
+
+    if args.arch:
+        arch = normalize_arch(args.arch)
+    else:
+        from .module import device_arch
+
+        try:
+            arch = device_arch()
+        except Exception as e:  # noqa: BLE001 - any failure to find a GPU means: ask for --arch
+            print(f"no GPU to read the arch from ({type(e).__name__}: {e}); pass --arch sm_90", file=sys.stderr)
+            return 2
+    failures = 0
+    total = time.perf_counter()
+    print(f"{'module':<48} {'arch':<7} {'seconds':>8}  source")
+    for spec in check_specs():
+        try:
+            result = compile_spec(spec, arch, force=args.force)
+        except EpjitError as e:
+            failures += 1
+            print(f"{spec.family:<48} {arch:<7} {'FAILED':>8}\n{e}", file=sys.stderr)
+            continue
+        where = "cache" if result.from_cache else "compiled" + (" + linked" if spec.USES_NVSHMEM else "")
+        print(f"{spec.family:<48} {arch:<7} {result.seconds:8.2f}  {where}")
+    print(f"{'total':<48} {arch:<7} {time.perf_counter() - total:8.2f}  {failures} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

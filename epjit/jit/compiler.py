@@ -1,0 +1,221 @@
+"""NVRTC compile (+ nvJitLink for NVSHMEM modules) of one kernel spec into a cubin, through the disk cache.
+
+The generated program is only ``#include "<family>.cu"``; the spec's template instantiations reach NVRTC as
+name expressions, and NVRTC hands back their lowered (mangled) names, which are stored beside the cubin.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import __version__
+from ..env import codegen_settings, settings
+from ..errors import CompileError, with_rank
+from .spec import KernelSpec
+from .toolchain import CUDA_SRC, nvshmem, toolchain
+
+log = logging.getLogger("epjit.jit")
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class CompiledModule:
+    spec: KernelSpec
+    arch: str
+    cubin_path: Path
+    lowered_names: dict[str, str]  # kernel template name -> mangled symbol
+    from_cache: bool
+    seconds: float
+
+
+def normalize_arch(arch: str | int) -> str:
+    """``90``, ``"90"``, ``"sm_90"``, ``"sm90"`` -> ``"sm_90"``."""
+    text = str(arch).strip().lower().removeprefix("sm_").removeprefix("sm").removeprefix("compute_")
+    if not text.rstrip("a").isdigit():
+        raise ValueError(f"arch {arch!r} is not of the form sm_90")
+    return f"sm_{text}"
+
+
+def included_files(source: Path, seen: set[Path] | None = None) -> list[Path]:
+    """The file and every file of cuda_src/ it includes, recursively (system headers are keyed by version)."""
+    seen = set() if seen is None else seen
+    if source in seen:
+        return []
+    seen.add(source)
+    files = [source]
+    for name in _INCLUDE.findall(source.read_text()):
+        candidate = (source.parent / name).resolve()
+        if not candidate.is_file():
+            candidate = (CUDA_SRC / name).resolve()
+        if candidate.is_file():
+            files += included_files(candidate, seen)
+    return files
+
+
+def compile_options(spec: KernelSpec, arch: str) -> list[str]:
+    tc = toolchain()
+    options = [f"-arch={arch}", "-std=c++17", "-default-device", "-lineinfo", "-DNDEBUG"]
+    options += [f"-I{d}" for d in tc.include_dirs]
+    if spec.USES_NVSHMEM:
+        options += ["-rdc=true", f"-I{nvshmem().include_dir}"]
+    return options
+
+
+def cache_key(spec: KernelSpec, arch: str, options: list[str]) -> str:
+    h = hashlib.sha256()
+    h.update(f"epjit {__version__}\n{type(spec).__name__} {spec!r}\n{arch}\n".encode())
+    h.update(f"nvrtc {toolchain().nvrtc_version}\n".encode())
+    if spec.USES_NVSHMEM:
+        h.update(f"nvshmem {nvshmem().version}\n".encode())
+    # Options carry absolute include paths; the header contents are hashed instead, so a moved checkout hits.
+    h.update(" ".join(o for o in options if not o.startswith("-I")).encode())
+    h.update(json.dumps(codegen_settings(), sort_keys=True).encode())
+    for path in sorted(included_files(CUDA_SRC / spec.SOURCE)):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_paths(spec: KernelSpec, arch: str, key: str) -> tuple[Path, Path]:
+    folder = settings().cache_dir / __version__ / arch
+    stem = f"{spec.family}.{key}"
+    return folder / f"{stem}.cubin", folder / f"{stem}.json"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    # Many ranks may build the same entry at once: each writes its own temp file and renames it into place,
+    # so a reader sees either nothing or a whole file.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, 0o644)  # a shared cache: other users of the machine may read it
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_cached(cubin: Path, meta: Path, spec: KernelSpec) -> dict[str, str] | None:
+    if not (cubin.is_file() and meta.is_file()):
+        return None
+    try:
+        names = json.loads(meta.read_text())["lowered_names"]
+    except (ValueError, KeyError, OSError):
+        log.warning("corrupt cache entry %s: rebuilding", meta)
+        return None
+    if set(names) != set(spec.KERNELS) or cubin.stat().st_size == 0:
+        log.warning("stale cache entry %s: rebuilding", meta)
+        return None
+    return names
+
+
+def compile_spec(spec: KernelSpec, arch: str, *, force: bool = False) -> CompiledModule:
+    """The cubin of ``spec`` for ``arch``: from the cache when present, else compiled (and linked) now."""
+    arch = normalize_arch(arch)
+    start = time.perf_counter()
+    options = compile_options(spec, arch)
+    key = cache_key(spec, arch, options)
+    cubin_path, meta_path = cache_paths(spec, arch, key)
+    if not force:
+        names = _read_cached(cubin_path, meta_path, spec)
+        if names is not None:
+            return CompiledModule(spec, arch, cubin_path, names, True, time.perf_counter() - start)
+    cubin, names = _nvrtc_compile(spec, options, cubin_path)
+    if spec.USES_NVSHMEM:
+        cubin = _nvjitlink(spec, arch, cubin)
+    meta = {"lowered_names": names, "spec": repr(spec), "arch": arch, "options": options}
+    # Metadata first, cubin last: a cubin on disk means its metadata is already there.
+    _atomic_write(meta_path, json.dumps(meta, indent=1).encode())
+    _atomic_write(cubin_path, cubin)
+    seconds = time.perf_counter() - start
+    log.debug("compiled %s for %s in %.2f s -> %s", spec.family, arch, seconds, cubin_path)
+    return CompiledModule(spec, arch, cubin_path, names, False, seconds)
+
+
+def _nvrtc_compile(spec: KernelSpec, options: list[str], cubin_path: Path) -> tuple[bytes, dict[str, str]]:
+    from cuda.bindings import nvrtc
+
+    ok = nvrtc.nvrtcResult.NVRTC_SUCCESS
+    source = f'// generated by epjit for {spec!r}\n#include "{spec.SOURCE}"\n'
+    program_name = f"{spec.family}.cu"
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), program_name.encode(), 0, [], [])
+    if err != ok:
+        raise CompileError(with_rank(f"nvrtcCreateProgram failed for {spec.family}: {err}"))
+    try:
+        expressions = spec.name_expressions()
+        for expr in expressions.values():
+            (err,) = nvrtc.nvrtcAddNameExpression(prog, expr.encode())
+            if err != ok:
+                raise CompileError(with_rank(f"nvrtcAddNameExpression({expr}) failed: {err}"))
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
+        _, log_size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log_bytes = b" " * log_size
+        nvrtc.nvrtcGetProgramLog(prog, log_bytes)
+        log_text = log_bytes.rstrip(b"\x00 ").decode(errors="replace")
+        if err != ok:
+            dumped = _dump_failed_source(cubin_path, source, options, log_text)
+            raise CompileError(
+                with_rank(f"NVRTC failed to compile {spec.family} ({err.name}):\n{log_text}\n"
+                          f"generated source and options kept at {dumped}")
+            )
+        if log_text:
+            log.debug("NVRTC log for %s:\n%s", spec.family, log_text)
+        _, size = nvrtc.nvrtcGetCUBINSize(prog)
+        cubin = b" " * size
+        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
+        if err != ok:
+            raise CompileError(with_rank(f"nvrtcGetCUBIN failed for {spec.family}: {err}"))
+        names = {}
+        for kernel, expr in expressions.items():
+            err, lowered = nvrtc.nvrtcGetLoweredName(prog, expr.encode())
+            if err != ok:
+                raise CompileError(with_rank(f"nvrtcGetLoweredName({expr}) failed: {err}"))
+            names[kernel] = lowered.decode()
+        return cubin, names
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _dump_failed_source(cubin_path: Path, source: str, options: list[str], log_text: str) -> Path:
+    dump = cubin_path.with_suffix(".failed.cu")
+    dump.parent.mkdir(parents=True, exist_ok=True)
+    dump.write_text(f"{source}\n/* options: {' '.join(options)}\n\nNVRTC log:\n{log_text}\n*/\n")
+    return dump
+
+
+def _nvjitlink(spec: KernelSpec, arch: str, cubin: bytes) -> bytes:
+    from cuda.bindings import nvjitlink
+
+    library = nvshmem().device_library
+    handle = nvjitlink.create(1, [f"-arch={arch}"])
+    try:
+        try:
+            nvjitlink.add_data(handle, nvjitlink.InputType.CUBIN, cubin, len(cubin), f"{spec.family}.cubin")
+            nvjitlink.add_file(handle, nvjitlink.InputType.LIBRARY, str(library))
+            nvjitlink.complete(handle)
+        except nvjitlink.nvJitLinkError as e:
+            size = nvjitlink.get_error_log_size(handle)
+            err_log = bytearray(size)
+            if size:
+                nvjitlink.get_error_log(handle, err_log)
+            text = err_log.rstrip(b"\x00").decode(errors="replace")
+            raise CompileError(with_rank(f"nvJitLink failed to link {spec.family} with {library}: {e}\n{text}")) from e
+        size = nvjitlink.get_linked_cubin_size(handle)
+        linked = bytearray(size)
+        nvjitlink.get_linked_cubin(handle, linked)
+        return bytes(linked)
+    finally:
+        nvjitlink.destroy(handle)

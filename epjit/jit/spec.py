@@ -1,0 +1,107 @@
+"""Typed compile-time specs: one frozen dataclass per kernel family.
+
+A spec's fields are the kernel templates' parameters in declaration order (``num_nvl_ranks`` <-> ``kNumNvlRanks``),
+so the instantiation string is rendered from the spec, never glued by hand, and ``tests/test_specs.py`` checks
+every spec against its ``.cu`` signature. Each kernel's runtime arguments are declared with their exact C types,
+and :meth:`KernelSpec.pack` casts every Python scalar to that type: CuPy passes a bare ``int`` as int64, which
+into an ``int`` parameter silently shifts every later argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import PurePath
+from typing import Any, ClassVar
+
+import numpy as np
+
+# C scalar type -> NumPy scalar type CuPy passes by value with the same size.
+SCALAR_TYPES: dict[str, type] = {
+    "int": np.int32,
+    "int32_t": np.int32,
+    "unsigned": np.uint32,
+    "uint32_t": np.uint32,
+    "int64_t": np.int64,
+    "long long": np.int64,
+    "uint64_t": np.uint64,
+    "float": np.float32,
+    "double": np.float64,
+    "bool": np.bool_,
+}
+
+
+def camel_param(field_name: str) -> str:
+    """``num_nvl_ranks`` -> ``kNumNvlRanks``: how a spec field is named as a template parameter."""
+    return "k" + "".join(part[:1].upper() + part[1:] for part in field_name.split("_"))
+
+
+def render_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, np.integer)):
+        return str(int(value))
+    raise TypeError(f"template argument {value!r} is not a bool or int")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """Base of every kernel family's spec. Subclasses are frozen dataclasses and set the class variables."""
+
+    SOURCE: ClassVar[str]  # file in cuda_src/ holding the templates
+    # kernel template name -> ((argument name, C type), ...) in signature order
+    KERNELS: ClassVar[dict[str, tuple[tuple[str, str], ...]]]
+    USES_NVSHMEM: ClassVar[bool] = False
+    NAMESPACE: ClassVar[str] = "epjit"
+
+    @property
+    def family(self) -> str:
+        """Readable module name for cache files and logs: ``barrier.num_nvl_ranks=4``."""
+        params = ",".join(f"{f.name}={render_value(getattr(self, f.name))}" for f in dataclasses.fields(self))
+        stem = PurePath(self.SOURCE).stem
+        return f"{stem}.{params}" if params else stem
+
+    def template_args(self) -> str:
+        return ", ".join(render_value(getattr(self, f.name)) for f in dataclasses.fields(self))
+
+    def name_expression(self, kernel: str) -> str:
+        if kernel not in self.KERNELS:
+            raise KeyError(f"{type(self).__name__} has no kernel {kernel!r}; it has {sorted(self.KERNELS)}")
+        args = self.template_args()
+        return f"{self.NAMESPACE}::{kernel}<{args}>" if dataclasses.fields(self) else f"{self.NAMESPACE}::{kernel}"
+
+    def name_expressions(self) -> dict[str, str]:
+        return {kernel: self.name_expression(kernel) for kernel in self.KERNELS}
+
+    def pack(self, kernel: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Cast each argument to the exact C type of the kernel's parameter (arrays pass as pointers)."""
+        signature = self.KERNELS[kernel]
+        if len(args) != len(signature):
+            names = ", ".join(n for n, _ in signature)
+            raise TypeError(f"{kernel} takes {len(signature)} arguments ({names}), got {len(args)}")
+        pairs = zip(signature, args, strict=True)
+        return tuple(_pack_one(kernel, name, ctype, value) for (name, ctype), value in pairs)
+
+
+def _pack_one(kernel: str, name: str, ctype: str, value: Any) -> Any:
+    if ctype.endswith("*"):
+        if value is None:
+            return np.uint64(0)
+        if isinstance(value, (int, np.integer)):
+            return np.uint64(int(value))
+        if hasattr(value, "data") and hasattr(value.data, "ptr"):  # cupy.ndarray: CuPy passes its pointer
+            return value
+        raise TypeError(f"{kernel}: argument {name} ({ctype}) must be a device array, an address or None, "
+                        f"got {type(value).__name__}")
+    scalar = SCALAR_TYPES.get(ctype)
+    if scalar is None:
+        raise TypeError(f"{kernel}: argument {name} has C type {ctype!r}, which the packer does not know")
+    if scalar is np.bool_:
+        return np.bool_(bool(value))
+    if np.issubdtype(scalar, np.integer):
+        info = np.iinfo(scalar)
+        if not isinstance(value, (int, np.integer, bool, np.bool_)):
+            raise TypeError(f"{kernel}: argument {name} ({ctype}) must be an integer, got {type(value).__name__}")
+        if not info.min <= int(value) <= info.max:
+            raise OverflowError(f"{kernel}: argument {name}={value} does not fit in {ctype}")
+        return scalar(int(value))
+    return scalar(value)

@@ -1,0 +1,15 @@
+"""One frozen spec per kernel family, plus the pure heuristics that choose configs (no GPU needed)."""
+
+from __future__ import annotations
+
+from ..jit.spec import KernelSpec
+from .foundation import BarrierSpec, PutSignalCheckSpec
+
+__all__ = ["BarrierSpec", "PutSignalCheckSpec", "check_specs"]
+
+
+def check_specs() -> list[KernelSpec]:
+    """Every module `python -m epjit.jit --check` builds: each family at the instantiations epjit uses."""
+    specs: list[KernelSpec] = [BarrierSpec(n) for n in (1, 2, 4, 8)]
+    specs += [PutSignalCheckSpec(False), PutSignalCheckSpec(True)]
+    return specs

@@ -1,0 +1,344 @@
+"""Peer memory: the NVLink buffer shared by CUDA IPC, the NVSHMEM symmetric heap, and the one device-side
+``PeersTable`` through which kernels see both (layout in cuda_src/peers.cuh).
+
+Collective resources are closed explicitly (``close()`` or ``with``), never in ``__del__``: closing is a
+collective (a peer may still be reading our memory until everyone has arrived).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .env import settings
+from .errors import EpjitError, EpjitTimeoutError, SetupError, with_rank
+
+if TYPE_CHECKING:
+    from .group import Group
+
+log = logging.getLogger("epjit.memory")
+
+# Mirrors of cuda_src/peers.cuh (tests/test_layouts.py checks every number against the header).
+MAX_NVL_RANKS = 8
+MAX_RANKS = 1024
+NVL_HEADER_BYTES = 4096
+WAIT_RECORD_BYTES = 128
+PEERS_TABLE_BYTES = 8320
+PEERS_TABLE_OFFSETS = {
+    "rank": 0, "num_ranks": 4, "nvl_rank": 8, "num_nvl_ranks": 12, "nvl_bytes": 16, "sym_bytes": 24,
+    "timeout_ns": 32, "wait_record": 40, "sym_base": 48, "wait_claim": 56, "nvl": 64, "sym_peer": 128,
+}
+WAIT_RECORD_DTYPE = np.dtype({
+    "names": ["status", "rank", "peer", "channel", "expected", "observed", "elapsed_ns", "site"],
+    "formats": ["<i4", "<i4", "<i4", "<i4", "<i8", "<i8", "<i8", "S88"],
+    "offsets": [0, 4, 8, 12, 16, 24, 32, 40],
+    "itemsize": WAIT_RECORD_BYTES,
+})
+
+_ALIGN = 256
+
+
+def _round_up(n: int, align: int = _ALIGN) -> int:
+    return (n + align - 1) // align * align
+
+
+class WaitRecord:
+    """Mapped pinned host memory where a timed-out kernel spin-wait leaves what it waited for (cuda_src/wait.cuh)."""
+
+    def __init__(self) -> None:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        self._host = rt.hostAlloc(WAIT_RECORD_BYTES, rt.hostAllocMapped)
+        self.device_ptr = rt.hostGetDevicePointer(self._host, 0)
+        self._view = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * WAIT_RECORD_BYTES).from_address(self._host))
+        self._view[:] = 0
+
+    def read(self) -> dict[str, Any] | None:
+        rec = self._view.view(WAIT_RECORD_DTYPE)[0]
+        if int(rec["status"]) == 0:
+            return None
+        return {k: (rec[k].decode(errors="replace") if k == "site" else int(rec[k])) for k in WAIT_RECORD_DTYPE.names}
+
+    def error(self) -> EpjitTimeoutError | None:
+        rec = self.read()
+        if rec is None:
+            return None
+        where = f"peer rank {rec['peer']}" if rec["peer"] >= 0 else "no particular peer"
+        channel = f", channel {rec['channel']}" if rec["channel"] >= 0 else ""
+        return EpjitTimeoutError(
+            f"rank {rec['rank']} timed out after {rec['elapsed_ns'] / 1e9:.1f} s in {rec['site']} "
+            f"(waiting for {where}{channel}; expected {rec['expected']}, last saw {rec['observed']}). "
+            "The CUDA context of this process is lost: let the launcher end every rank and restart. "
+            "EPJIT_TIMEOUT_S sets the limit."
+        )
+
+    def close(self) -> None:
+        if self._host:
+            import cupy
+
+            cupy.cuda.runtime.freeHost(self._host)
+            self._host = 0
+
+
+class NvlBuffer:
+    """A device buffer per rank, mapped into every rank of the same NVLink node through CUDA IPC handles.
+
+    Layout: ``kNvlHeaderBytes`` of control words (barrier signals first), then ``num_bytes`` of payload.
+    """
+
+    def __init__(self, group: Group, num_bytes: int) -> None:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        self.group = group
+        self.num_bytes = int(num_bytes)
+        self.total_bytes = NVL_HEADER_BYTES + _round_up(self.num_bytes)
+        # Its own cudaMalloc, not a pool sub-allocation: an IPC handle maps a whole allocation.
+        self.base = rt.malloc(self.total_bytes)
+        self.peer_ptrs: list[int] = []
+        self._opened: list[int] = []
+        try:
+            rt.memset(self.base, 0, NVL_HEADER_BYTES)
+            rt.deviceSynchronize()
+            handle = bytes(rt.ipcGetMemHandle(self.base))
+            handles = group.allgather_bytes(handle)
+            first = group.nvl_node * group.num_nvl_ranks
+            for nvl_rank in range(group.num_nvl_ranks):
+                if nvl_rank == group.nvl_rank:
+                    self.peer_ptrs.append(self.base)
+                    continue
+                ptr = rt.ipcOpenMemHandle(handles[first + nvl_rank], rt.cudaIpcMemLazyEnablePeerAccess)
+                self._opened.append(ptr)
+                self.peer_ptrs.append(ptr)
+            # Nobody may write into a peer's header before that peer has cleared it.
+            group.barrier()
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        for ptr in self._opened:
+            rt.ipcCloseMemHandle(ptr)
+        self._opened.clear()
+        if self.base:
+            rt.free(self.base)
+            self.base = 0
+
+    def close(self) -> None:
+        """Collective: waits until no peer can still touch our memory, unmaps the peers', frees ours."""
+        if not self.base:
+            return
+        import cupy
+
+        cupy.cuda.runtime.deviceSynchronize()
+        self.group.barrier()
+        self._release()
+
+
+_nvshmem_state: dict[str, Any] = {"initialised": False, "users": 0}
+
+
+def _nvshmem_init(group: Group, heap_bytes: int) -> None:
+    """Initialise NVSHMEM once per process: unique id from rank 0, broadcast over the group, uid bootstrap."""
+    if _nvshmem_state["initialised"]:
+        return
+    # NVLink multicast (NVLS) objects can take a shared host's GPUs down; epjit never needs them.
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    # The symmetric heap is reserved at init: make it large enough for what is asked, unless the user chose.
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, _round_up(heap_bytes, 1 << 29) + (1 << 29))))
+    try:
+        import nvshmem.core as nvshmem_core
+        from cuda.core import Device
+        from nvshmem import bindings as nvshmem_bindings
+    except ImportError as e:
+        missing = f"NVSHMEM needs nvshmem4py and cuda-core: pip install 'epjit[cuda13]' ({e})"
+        raise SetupError(with_rank(missing)) from None
+    from .jit.toolchain import check_nvshmem_version
+
+    version = nvshmem_core.get_version().libnvshmem_version
+    check_nvshmem_version(tuple(int(p) for p in version.split(".")[:3]), "the loaded libnvshmem_host")  # type: ignore[arg-type]
+    uid = nvshmem_core.get_unique_id(empty=group.rank != 0)
+    uid_bytes = uid._data.view(np.uint8)  # the id is a small struct; it travels as raw bytes
+    raw = group.bcast_bytes(uid_bytes.tobytes() if group.rank == 0 else None, root=0)
+    uid_bytes[:] = np.frombuffer(raw, dtype=np.uint8)
+    device = Device(group.device)
+    device.set_current()
+    nvshmem_core.init(device=device, uid=uid, rank=group.rank, nranks=group.size, initializer_method="uid")
+    if nvshmem_bindings.my_pe() != group.rank or nvshmem_bindings.n_pes() != group.size:
+        raise SetupError(with_rank(f"NVSHMEM says PE {nvshmem_bindings.my_pe()} of {nvshmem_bindings.n_pes()}, "
+                                   f"the group says rank {group.rank} of {group.size}"))
+    _nvshmem_state["initialised"] = True
+
+
+def _nvshmem_finalize() -> None:
+    if not _nvshmem_state["initialised"] or _nvshmem_state["users"] > 0:
+        return
+    import nvshmem.core as nvshmem_core
+
+    from .jit import unload_all
+
+    unload_all()  # modules must be cumodule-finalised before NVSHMEM goes
+    nvshmem_core.finalize()
+    _nvshmem_state["initialised"] = False
+
+
+class SymmetricHeap:
+    """One NVSHMEM symmetric allocation of ``num_bytes`` (zeroed), with its peer pointers and node teams."""
+
+    def __init__(self, group: Group, num_bytes: int) -> None:
+        import cupy
+
+        self.group = group
+        self.num_bytes = _round_up(int(num_bytes))
+        _nvshmem_init(group, self.num_bytes)
+        from nvshmem import bindings as nvshmem_bindings
+
+        _nvshmem_state["users"] += 1
+        self.base = 0
+        self.node_team = self.cross_team = None
+        try:
+            self.base = int(nvshmem_bindings.malloc(self.num_bytes))  # collective
+            if self.base == 0:
+                raise SetupError(with_rank(f"nvshmem_malloc({self.num_bytes}) returned NULL: raise "
+                                           "NVSHMEM_SYMMETRIC_SIZE or ask for fewer num_rdma_bytes"))
+            cupy.cuda.runtime.memset(self.base, 0, self.num_bytes)
+            cupy.cuda.runtime.deviceSynchronize()
+            # nvshmem_ptr gives a load/store pointer where the PE is reachable over NVLink (P2P), else NULL.
+            self.peer_ptrs = [int(nvshmem_bindings.ptr(self.base, pe)) for pe in range(group.size)]
+            self._split_teams(nvshmem_bindings)
+            nvshmem_bindings.barrier_all()
+        except BaseException:
+            self.close()
+            raise
+
+    def _split_teams(self, nb: Any) -> None:
+        # One 2-D split of the world: x = the ranks of my NVLink node, y = the ranks of my NVLink index on
+        # every node (the "RDMA" team internode kernels talk over).
+        teams = np.full(2, -1, dtype=np.int32)
+        nb.team_split_2d(int(nb.Team_id.TEAM_WORLD), self.group.num_nvl_ranks,
+                         0, 0, teams.ctypes.data, 0, 0, teams.ctypes.data + 4)
+        self.node_team, self.cross_team = int(teams[0]), int(teams[1])
+
+    @property
+    def has_direct_peers(self) -> bool:
+        return all(p != 0 for p in self.peer_ptrs)
+
+    def close(self) -> None:
+        """Collective: frees the allocation and the teams; the last heap of the process finalises NVSHMEM."""
+        if not _nvshmem_state["initialised"]:
+            return
+        import cupy
+        from nvshmem import bindings as nvshmem_bindings
+
+        cupy.cuda.runtime.deviceSynchronize()
+        for team in (self.node_team, self.cross_team):
+            if team is not None and team >= 0:
+                nvshmem_bindings.team_destroy(team)
+        self.node_team = self.cross_team = None
+        if self.base:
+            nvshmem_bindings.free(self.base)  # collective
+            self.base = 0
+            _nvshmem_state["users"] -= 1
+        _nvshmem_finalize()
+
+
+@dataclass
+class PeerMemory:
+    """What a Buffer owns: the NVLink buffer, the symmetric heap (either may be absent), the device PeersTable
+    that points kernels at both, and the wait record that turns a kernel timeout into a Python exception."""
+
+    group: Group
+    nvl: NvlBuffer | None
+    sym: SymmetricHeap | None
+    wait_record: WaitRecord
+    table: Any  # cupy uint8 array of PEERS_TABLE_BYTES in device memory
+    setup_seconds: float
+
+    @classmethod
+    def create(cls, group: Group, num_nvl_bytes: int, num_rdma_bytes: int,
+               timeout_s: float | None = None) -> PeerMemory:
+        if group.device is None:
+            raise SetupError(with_rank("peer memory needs a GPU, and epjit.init() bound none on this rank"))
+        if group.num_nvl_ranks > MAX_NVL_RANKS:
+            raise SetupError(with_rank(f"num_nvl_ranks={group.num_nvl_ranks} > {MAX_NVL_RANKS} supported"))
+        if group.size > MAX_RANKS:
+            raise SetupError(with_rank(f"{group.size} ranks > {MAX_RANKS} supported"))
+        import cupy
+
+        start = time.perf_counter()
+        nvl = sym = record = None
+        try:
+            record = WaitRecord()
+            nvl = NvlBuffer(group, num_nvl_bytes) if num_nvl_bytes > 0 else None
+            sym = SymmetricHeap(group, num_rdma_bytes) if num_rdma_bytes > 0 else None
+            host = np.zeros(PEERS_TABLE_BYTES, dtype=np.uint8)
+            o = PEERS_TABLE_OFFSETS
+            timeout = settings().timeout_s if timeout_s is None else float(timeout_s)
+            host[o["rank"]:o["rank"] + 16].view(np.int32)[:] = [group.rank, group.size, group.nvl_rank,
+                                                                 group.num_nvl_ranks]
+            host[o["nvl_bytes"]:o["nvl_bytes"] + 16].view(np.int64)[:] = [
+                nvl.num_bytes if nvl else 0, sym.num_bytes if sym else 0]
+            host[o["timeout_ns"]:o["timeout_ns"] + 24].view(np.uint64)[:] = [
+                int(timeout * 1e9), record.device_ptr, sym.base if sym else 0]
+            if nvl is not None:
+                host[o["nvl"]:o["nvl"] + 8 * len(nvl.peer_ptrs)].view(np.uint64)[:] = nvl.peer_ptrs
+            if sym is not None:
+                host[o["sym_peer"]:o["sym_peer"] + 8 * group.size].view(np.uint64)[:] = sym.peer_ptrs
+            table = cupy.asarray(host)
+            cupy.cuda.runtime.deviceSynchronize()
+        except BaseException:
+            for part in (sym, nvl, record):
+                if part is not None:
+                    part.close()
+            raise
+        return cls(group, nvl, sym, record, table, time.perf_counter() - start)
+
+    @property
+    def table_ptr(self) -> int:
+        return int(self.table.data.ptr)
+
+    def nvl_payload_ptr(self, nvl_rank: int | None = None) -> int:
+        """Device address of the payload of nvl rank's buffer (default: mine), as mapped in this process."""
+        if self.nvl is None:
+            raise EpjitError(with_rank("this PeerMemory has no NVLink buffer (num_nvl_bytes=0)"))
+        return self.nvl.peer_ptrs[self.group.nvl_rank if nvl_rank is None else nvl_rank] + NVL_HEADER_BYTES
+
+    def synchronize(self, stream: Any = None) -> None:
+        """Wait for ``stream`` (default: the device); a kernel timeout becomes EpjitTimeoutError."""
+        import cupy
+
+        try:
+            if stream is None:
+                cupy.cuda.runtime.deviceSynchronize()
+            else:
+                stream.synchronize()
+        except cupy.cuda.runtime.CUDARuntimeError as e:
+            self.raise_for(e)
+
+    def raise_for(self, error: BaseException) -> None:
+        timeout = self.wait_record.error()
+        if timeout is not None:
+            raise timeout from error
+        raise EpjitError(with_rank(f"CUDA error while waiting for epjit kernels: {error}")) from error
+
+    def close(self) -> None:
+        """Collective. Closes the NVSHMEM heap, the IPC mappings and the wait record."""
+        if self.table is None:
+            return
+        try:
+            if self.sym is not None:
+                self.sym.close()
+            if self.nvl is not None:
+                self.nvl.close()
+        finally:
+            self.table = None
+            self.wait_record.close()

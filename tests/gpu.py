@@ -1,0 +1,71 @@
+"""Helpers of the GPU tier: how many GPUs there are (without importing CuPy into pytest's process), and how to
+run N ranks of a script under either launcher with a hard timeout, collecting their RESULT lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def gpu_count() -> int:
+    """GPUs the CUDA runtime sees, asked in a child process so pytest's own process never holds a context."""
+    probe = "from cuda.bindings import runtime as r; e, n = r.cudaGetDeviceCount(); print(n if e == 0 else 0)"
+    try:
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+        return int(out.stdout.strip() or 0)
+    except (subprocess.SubprocessError, ValueError, OSError):
+        return 0
+
+
+_GPUS: int | None = None
+
+
+def require_gpus(n: int) -> None:
+    global _GPUS
+    if _GPUS is None:
+        _GPUS = gpu_count()
+    if _GPUS < n:
+        pytest.skip(f"needs {n} GPUs, this machine has {_GPUS}")
+
+
+def mpirun() -> str | None:
+    return shutil.which("mpirun") or shutil.which("mpiexec")
+
+
+def run_ranks(launcher: str, n: int, script: str, *args: str, env: dict[str, str] | None = None,
+              timeout: float = 240) -> tuple[int, str, list[dict]]:
+    """Run ``script`` on ``n`` ranks; returns (exit code, combined output, the RESULT dicts)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), full_env.get("PYTHONPATH", "")) if p)
+    if launcher == "launch":
+        cmd = [sys.executable, "-m", "epjit.launch", "-n", str(n), "--timeout", str(int(timeout)), script, *args]
+    elif launcher == "mpirun":
+        runner = mpirun()
+        if runner is None:
+            pytest.skip("no mpirun on PATH")
+        cmd = [runner, "-np", str(n)]
+        if os.geteuid() == 0 and "mpich" not in (subprocess.run([runner, "--version"], capture_output=True,
+                                                                text=True).stdout.lower()):
+            cmd.append("--allow-run-as-root")
+        for var in ("PYTHONPATH", "PYTHONUNBUFFERED", "NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE", "EPJIT_TIMEOUT_S",
+                    "EPJIT_CACHE_DIR", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
+            if var in full_env and "mpich" not in cmd[0]:
+                cmd += ["-x", var]
+        cmd += [sys.executable, script, *args]
+    else:
+        raise ValueError(launcher)
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout + 60)
+    output = proc.stdout + proc.stderr
+    results = []
+    for line in proc.stdout.splitlines():
+        if "RESULT " in line:
+            results.append(json.loads(line.split("RESULT ", 1)[1]))
+    return proc.returncode, output, sorted(results, key=lambda r: r["rank"])

@@ -1,0 +1,204 @@
+"""CPU tier of the JIT layer: specs against their .cu signatures, argument packing, the cache key and its atomic
+writes under racing processes, compile errors that show NVRTC's file:line, and the house rules on PTX and waits."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from epjit.jit import KernelSpec, camel_param, compile_spec, normalize_arch
+from epjit.jit.compiler import cache_key, compile_options, included_files
+from epjit.jit.toolchain import CUDA_SRC, check_nvshmem_version, parse_nvshmem_version
+from epjit.kernels import check_specs
+
+ROOT = Path(__file__).resolve().parents[1]
+nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) not installed")
+
+
+def _template_params(source: str, kernel: str) -> tuple[list[str], list[str]]:
+    """(template parameter names, C types of the arguments) of `kernel` as declared in a .cu file."""
+    m = re.search(r"template\s*<([^>]*)>\s*__global__\s+void\s+" + kernel + r"\s*\(([^)]*)\)", source)
+    assert m, f"{kernel} not found as a __global__ template"
+    params = [p.split()[-1] for p in m.group(1).split(",") if p.strip()]
+    arg_types = [" ".join(a.split()[:-1]) for a in m.group(2).split(",") if a.strip()]
+    return params, arg_types
+
+
+@pytest.mark.parametrize("spec", check_specs(), ids=lambda s: s.family)
+def test_spec_matches_cu_signature(spec):
+    source = (CUDA_SRC / spec.SOURCE).read_text()
+    fields = [camel_param(f.name) for f in dataclasses.fields(spec)]
+    for kernel, signature in spec.KERNELS.items():
+        params, arg_types = _template_params(source, kernel)
+        assert params == fields, f"{kernel}: template <{params}> but spec fields {fields}"
+        assert arg_types == [ctype for _, ctype in signature], f"{kernel}: .cu {arg_types} vs spec {signature}"
+
+
+def test_name_expression_and_family():
+    spec = next(s for s in check_specs() if s.family == "barrier.num_nvl_ranks=4")
+    assert spec.name_expression("nvl_barrier") == "epjit::nvl_barrier<4>"
+    direct = next(s for s in check_specs() if s.family == "nvshmem_check.direct=true")
+    assert direct.name_expression("put_signal_check") == "epjit::put_signal_check<true>"
+    with pytest.raises(KeyError, match="has no kernel"):
+        spec.name_expression("nope")
+
+
+def test_pack_casts_to_exact_c_types():
+    spec = next(s for s in check_specs() if s.family == "barrier.num_nvl_ranks=4")
+    packed = spec.pack("nvl_exchange_check", (0x7F00_0000_1000, 5, 1 << 16, -1, None))
+    assert [type(p) for p in packed] == [np.uint64, np.int32, np.int32, np.int32, np.uint64]
+    assert int(packed[0]) == 0x7F00_0000_1000 and int(packed[3]) == -1
+    with pytest.raises(OverflowError, match="num_rounds=4294967296 does not fit in int"):
+        spec.pack("nvl_exchange_check", (0, 1 << 32, 1, 1, None))
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        spec.pack("nvl_exchange_check", (0, 1))
+    with pytest.raises(TypeError, match="must be an integer"):
+        spec.pack("nvl_exchange_check", (0, 1.5, 1, 1, None))
+    assert camel_param("num_nvl_ranks") == "kNumNvlRanks"
+
+
+def test_normalize_arch():
+    assert normalize_arch("sm_90") == normalize_arch("90") == normalize_arch((9, 0)[0] * 10) == "sm_90"
+    assert normalize_arch("sm_90a") == "sm_90a"
+    with pytest.raises(ValueError):
+        normalize_arch("hopper")
+
+
+def test_included_files_follows_local_headers():
+    names = {p.name for p in included_files(CUDA_SRC / "barrier.cu")}
+    assert {"barrier.cu", "barrier.cuh", "peers.cuh", "ptx.cuh", "wait.cuh", "types.cuh"} <= names
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scratch(KernelSpec):
+    """A throwaway kernel family in a temp dir (SOURCE is an absolute path)."""
+
+    width: int
+    SOURCE = ""
+    KERNELS = {"fill": (("out", "int*"), ("value", "int"))}
+
+
+def _scratch_spec(tmp_path: Path, body: str, width: int = 4) -> KernelSpec:
+    src = tmp_path / "scratch.cu"
+    src.write_text('#include "ptx.cuh"\nnamespace epjit {\ntemplate <int kWidth>\n'
+                   f"__global__ void fill(int* out, int value) {{ {body} }}\n}}\n")
+    spec_cls = dataclasses.make_dataclass("Scratch", [], bases=(_Scratch,), frozen=True,
+                                          namespace={"SOURCE": str(src)})
+    return spec_cls(width)
+
+
+def test_cache_hit_and_key_follows_sources(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPJIT_CACHE_DIR", str(tmp_path / "cache"))
+    spec = _scratch_spec(tmp_path, "out[threadIdx.x % kWidth] = value;")
+    first = compile_spec(spec, "sm_90")
+    assert not first.from_cache and first.cubin_path.is_file() and first.cubin_path.stat().st_size > 0
+    assert first.cubin_path.parent.name == "sm_90" and first.cubin_path.name.startswith("scratch.width=4.")
+    assert first.lowered_names["fill"].startswith("_Z")
+    again = compile_spec(spec, "sm_90")
+    assert again.from_cache and again.cubin_path == first.cubin_path
+    key = cache_key(spec, "sm_90", compile_options(spec, "sm_90"))
+    assert key != cache_key(spec, "sm_80", compile_options(spec, "sm_80"))
+    # Any change to the source (or a header it includes) is a new entry.
+    spec2 = _scratch_spec(tmp_path, "out[threadIdx.x % kWidth] = value + 1;")
+    assert cache_key(spec2, "sm_90", compile_options(spec2, "sm_90")) != key
+    assert cache_key(type(spec)(8), "sm_90", compile_options(spec, "sm_90")) != key
+
+
+def test_corrupt_cache_entry_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPJIT_CACHE_DIR", str(tmp_path / "cache"))
+    spec = _scratch_spec(tmp_path, "out[0] = value;")
+    first = compile_spec(spec, "sm_90")
+    first.cubin_path.with_suffix(".json").write_text("{not json")
+    again = compile_spec(spec, "sm_90")
+    assert not again.from_cache and again.lowered_names == first.lowered_names
+
+
+def test_compile_error_shows_file_and_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("EPJIT_CACHE_DIR", str(tmp_path / "cache"))
+    spec = _scratch_spec(tmp_path, "out[0] = undeclared_thing;")
+    from epjit import CompileError
+
+    with pytest.raises(CompileError) as info:
+        compile_spec(spec, "sm_90")
+    message = str(info.value)
+    assert re.search(r"scratch\.cu\(4\): error: identifier \"undeclared_thing\" is undefined", message), message
+    dumped = Path(message.rsplit("kept at ", 1)[1].strip())
+    assert dumped.is_file() and "undeclared_thing" in dumped.read_text()
+
+
+def _race_worker(args: tuple[str, str]) -> str:
+    cache, src = args
+    import os
+
+    os.environ["EPJIT_CACHE_DIR"] = cache
+    spec_cls = dataclasses.make_dataclass("Scratch", [], bases=(_Scratch,), frozen=True, namespace={"SOURCE": src})
+    return str(compile_spec(spec_cls(4), "sm_90").cubin_path)
+
+
+def test_ranks_racing_to_compile_agree(tmp_path):
+    spec = _scratch_spec(tmp_path, "out[threadIdx.x] = value * kWidth;")
+    with mp.get_context("spawn").Pool(4) as pool:
+        paths = pool.map(_race_worker, [(str(tmp_path / "cache"), spec.SOURCE)] * 4)
+    assert len(set(paths)) == 1
+    folder = Path(paths[0]).parent
+    assert not list(folder.glob(".*.tmp")), "a temp file was left behind"
+    assert Path(paths[0]).stat().st_size > 0
+
+
+def test_check_cli_compiles_every_module(tmp_path):
+    env = {"EPJIT_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "epjit.jit", "--check", "--arch", "sm_90"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    for spec in check_specs():
+        assert spec.family in out.stdout
+    assert "0 failed" in out.stdout and "compiled + linked" in out.stdout
+    warm = subprocess.run([sys.executable, "-m", "epjit.jit", "--check", "--arch", "sm_90"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert warm.returncode == 0 and warm.stdout.count(" cache") == len(check_specs()), warm.stdout
+
+
+def test_nvshmem_version_gate():
+    header = "#define NVSHMEM_VENDOR_MAJOR_VERSION 3\n#define NVSHMEM_VENDOR_MINOR_VERSION 4\n" \
+             "#define NVSHMEM_VENDOR_PATCH_VERSION 5\n"
+    assert parse_nvshmem_version(header) == (3, 4, 5)
+    from epjit import SetupError
+
+    with pytest.raises(SetupError, match=r"NVSHMEM 3\.4\.5 .* needs >= 3\.8"):
+        check_nvshmem_version((3, 4, 5), "somewhere")
+    check_nvshmem_version((3, 8, 0), "somewhere")
+
+
+def test_ptx_only_in_ptx_header():
+    offenders = [p.name for p in CUDA_SRC.iterdir() if p.name != "ptx.cuh" and re.search(r"\basm\b", p.read_text())]
+    assert not offenders, f"inline asm outside ptx.cuh: {offenders}"
+
+
+def test_every_spin_wait_goes_through_timeout_while():
+    # A polling loop is a while/for whose condition or body loads memory someone else writes; outside wait.cuh
+    # none may exist (the one in wait.cuh's report path parks forever on purpose, behind a trap).
+    bare = re.compile(r"while\s*\([^)]*(ld_|volatile|atomic)[^)]*\)|while\s*\(\s*(true|1)\s*\)")
+    offenders = []
+    for path in CUDA_SRC.iterdir():
+        if path.name == "wait.cuh":
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if bare.search(line):
+                offenders.append(f"{path.name}:{i}: {line.strip()}")
+    assert not offenders, "bare polling loops:\n" + "\n".join(offenders)
+
+
+def test_import_epjit_touches_nothing():
+    probe = ("import sys, epjit, epjit.jit, epjit.kernels, epjit.reference, epjit.arrays; "
+             "bad = [m for m in ('cupy', 'mpi4py', 'nvshmem', 'torch', 'jax', 'cuda.bindings.runtime') "
+             "if m in sys.modules]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -1,0 +1,45 @@
+"""The PeersTable and WaitRecord layouts packed in Python must match cuda_src/peers.cuh number for number."""
+
+from __future__ import annotations
+
+import re
+
+from epjit import memory
+from epjit.jit.toolchain import CUDA_SRC
+
+HEADER = (CUDA_SRC / "peers.cuh").read_text()
+
+
+def _constexpr(name: str) -> int:
+    m = re.search(rf"constexpr\s+\w+\s+{name}\s*=\s*(\d+)\s*;", HEADER)
+    assert m, name
+    return int(m.group(1))
+
+
+def test_constants_match_header():
+    assert memory.MAX_NVL_RANKS == _constexpr("kMaxNvlRanks")
+    assert memory.MAX_RANKS == _constexpr("kMaxRanks")
+    assert memory.NVL_HEADER_BYTES == _constexpr("kNvlHeaderBytes")
+
+
+def test_peers_table_offsets_match_static_asserts():
+    asserted = {m.group(1): int(m.group(2)) for m in
+                re.finditer(r"__builtin_offsetof\(PeersTable,\s*(\w+)\)\s*==\s*(\d+)", HEADER)}
+    assert asserted == memory.PEERS_TABLE_OFFSETS
+    size = int(re.search(r"sizeof\(PeersTable\)\s*==\s*(\d+)", HEADER).group(1))
+    assert size == memory.PEERS_TABLE_BYTES
+    o = memory.PEERS_TABLE_OFFSETS
+    assert o["sym_peer"] + 8 * memory.MAX_RANKS == memory.PEERS_TABLE_BYTES
+    assert o["nvl"] + 8 * memory.MAX_NVL_RANKS == o["sym_peer"]
+
+
+def test_wait_record_dtype_matches_struct():
+    body = re.search(r"struct WaitRecord \{(.*?)\};", HEADER, re.S).group(1)
+    fields = re.findall(r"^\s*(\w+)\s+(\w+)(\[\d+\])?;", body, re.M)
+    assert [f[1] for f in fields] == list(memory.WAIT_RECORD_DTYPE.names)
+    sizes = {"int32_t": 4, "int64_t": 8}
+    offset = 0
+    for ctype, name, array in fields:
+        assert memory.WAIT_RECORD_DTYPE.fields[name][1] == offset, name
+        offset += int(array[1:-1]) if array else sizes[ctype]
+    assert offset == memory.WAIT_RECORD_DTYPE.itemsize == memory.WAIT_RECORD_BYTES
