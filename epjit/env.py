@@ -37,7 +37,7 @@ class Settings:
     timeout_s: float
     log: str
     arch: str | None
-    keep_source: bool
+    poison_outputs: bool
     collective_timeout_s: float | None = None
 
 
@@ -52,8 +52,9 @@ def settings() -> Settings:
         log=os.environ.get("EPJIT_LOG", "info").lower(),
         # Compile for this arch instead of the current device's (e.g. "sm_90" on a machine with no GPU).
         arch=os.environ.get("EPJIT_ARCH") or None,
-        # Keep the generated source beside the cubin even when it compiled (always kept on failure).
-        keep_source=os.environ.get("EPJIT_KEEP_SOURCE", "0") not in ("", "0"),
+        # Debugging and tests: fill every output with garbage before a kernel writes it, so a row the kernel
+        # forgets shows up instead of reading as the zeros a fresh allocation happened to hold.
+        poison_outputs=os.environ.get("EPJIT_POISON_OUTPUTS", "0") not in ("", "0"),
         # How long a host-side collective (allgather/bcast/barrier of epjit.Group) may wait for the other ranks
         # before it raises CollectiveError. Unset: wait for ever (ranks may legitimately wait minutes while one
         # of them compiles; the launcher or mpirun ends the job when a rank dies).
