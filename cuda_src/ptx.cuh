@@ -107,6 +107,13 @@ __device__ __forceinline__ int atom_cas_acq_rel_sys_s32(int* p, int expected, in
     return old;
 }
 
+/// Barriers
+// Named barrier `id` (1..15; 0 is __syncthreads) over `num_threads` threads (a multiple of 32): lets the warps
+// that serve one peer rank synchronise without stopping the rest of the block.
+__device__ __forceinline__ void bar_sync(int id, int num_threads) {
+    asm volatile("bar.sync %0, %1;" : : "r"(id), "r"(num_threads) : "memory");
+}
+
 /// Timers
 // %globaltimer counts nanoseconds (coarse ticks, ~1 us on Hopper) and is the same clock on every SM, so a
 // timeout measured with it does not depend on the SM clock or on which SM a block landed on.

@@ -26,6 +26,13 @@ __all__ = [
     "CompileError",
     "EpjitError",
     "EpjitTimeoutError",
+    "Buffer",
+    "CombineResult",
+    "Config",
+    "DispatchHandle",
+    "DispatchLayout",
+    "DispatchResult",
+    "Event",
     "Group",
     "SetupError",
     "__version__",
@@ -33,13 +40,21 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from .buffer import Buffer, CombineResult, DispatchHandle, DispatchLayout, DispatchResult, Event
+    from .config import Config
     from .group import Group, init
+
+_LAZY = {
+    "init": "group", "Group": "group", "Config": "config", "Buffer": "buffer", "CombineResult": "buffer",
+    "DispatchHandle": "buffer", "DispatchLayout": "buffer", "DispatchResult": "buffer", "Event": "buffer",
+}
 
 
 def __getattr__(name: str) -> Any:
     # Lazy: `import epjit` must stay free of mpi4py/CuPy imports; they load on first use.
-    if name in ("init", "Group"):
-        from . import group
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'epjit' has no attribute {name!r}")
+    import importlib
 
-        return getattr(group, name)
-    raise AttributeError(f"module 'epjit' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)

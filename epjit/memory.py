@@ -47,17 +47,44 @@ def _round_up(n: int, align: int = _ALIGN) -> int:
     return (n + align - 1) // align * align
 
 
-class WaitRecord:
-    """Mapped pinned host memory where a timed-out kernel spin-wait leaves what it waited for (cuda_src/wait.cuh)."""
+class MappedHostArray:
+    """Pinned host memory mapped into the device: kernels write it, the host reads it with no copy (after a
+    stream synchronisation), and it stays readable even after a kernel trap has lost the CUDA context."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_bytes: int) -> None:
         import cupy
 
         rt = cupy.cuda.runtime
-        self._host = rt.hostAlloc(WAIT_RECORD_BYTES, rt.hostAllocMapped)
-        self.device_ptr = rt.hostGetDevicePointer(self._host, 0)
-        self._view = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * WAIT_RECORD_BYTES).from_address(self._host))
-        self._view[:] = 0
+        self.num_bytes = int(num_bytes)
+        self._host = rt.hostAlloc(self.num_bytes, rt.hostAllocMapped)
+        from cuda.bindings import runtime as cudart
+
+        err, device_ptr = cudart.cudaHostGetDevicePointer(self._host, 0)
+        if err != cudart.cudaError_t.cudaSuccess:
+            rt.freeHost(self._host)
+            raise SetupError(with_rank(f"cudaHostGetDevicePointer failed: {err}"))
+        self.device_ptr = int(device_ptr)
+        buffer = (np.ctypeslib.ctypes.c_uint8 * self.num_bytes).from_address(self._host)
+        self.bytes = np.ctypeslib.as_array(buffer)
+        self.bytes[:] = 0
+
+    def view(self, dtype: Any) -> np.ndarray:
+        return self.bytes.view(dtype)
+
+    def close(self) -> None:
+        if self._host:
+            import cupy
+
+            cupy.cuda.runtime.freeHost(self._host)
+            self._host = 0
+
+
+class WaitRecord(MappedHostArray):
+    """Where a timed-out kernel spin-wait leaves what it waited for (cuda_src/wait.cuh)."""
+
+    def __init__(self) -> None:
+        super().__init__(WAIT_RECORD_BYTES)
+        self._view = self.bytes
 
     def read(self) -> dict[str, Any] | None:
         rec = self._view.view(WAIT_RECORD_DTYPE)[0]
@@ -77,13 +104,6 @@ class WaitRecord:
             "The CUDA context of this process is lost: let the launcher end every rank and restart. "
             "EPJIT_TIMEOUT_S sets the limit."
         )
-
-    def close(self) -> None:
-        if self._host:
-            import cupy
-
-            cupy.cuda.runtime.freeHost(self._host)
-            self._host = 0
 
 
 class NvlBuffer:

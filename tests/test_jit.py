@@ -24,9 +24,14 @@ nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC)
 
 def _template_params(source: str, kernel: str) -> tuple[list[str], list[str]]:
     """(template parameter names, C types of the arguments) of `kernel` as declared in a .cu file."""
-    m = re.search(r"template\s*<([^>]*)>\s*__global__\s+void\s+" + kernel + r"\s*\(([^)]*)\)", source)
-    assert m, f"{kernel} not found as a __global__ template"
-    params = [p.split()[-1] for p in m.group(1).split(",") if p.strip()]
+    m = re.search(
+        r"(?:template\s*<([^>]*)>\s*)?__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?"
+        + kernel
+        + r"\s*\(([^)]*)\)",
+        source,
+    )
+    assert m, f"{kernel} not found as a __global__ function"
+    params = [p.split()[-1] for p in (m.group(1) or "").split(",") if p.strip()]
     arg_types = [" ".join(a.split()[:-1]) for a in m.group(2).split(",") if a.strip()]
     return params, arg_types
 

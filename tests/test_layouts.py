@@ -22,12 +22,27 @@ def test_constants_match_header():
     assert memory.NVL_HEADER_BYTES == _constexpr("kNvlHeaderBytes")
 
 
-def test_peers_table_offsets_match_static_asserts():
-    asserted = {m.group(1): int(m.group(2)) for m in
-                re.finditer(r"__builtin_offsetof\(PeersTable,\s*(\w+)\)\s*==\s*(\d+)", HEADER)}
-    assert asserted == memory.PEERS_TABLE_OFFSETS
-    size = int(re.search(r"sizeof\(PeersTable\)\s*==\s*(\d+)", HEADER).group(1))
-    assert size == memory.PEERS_TABLE_BYTES
+_C_SIZES = {"int32_t": 4, "int64_t": 8, "uint64_t": 8}
+
+
+def _struct_offsets(name: str) -> tuple[dict[str, int], int]:
+    """Field offsets of a struct of naturally aligned scalars, pointers and arrays of them, as C lays it out."""
+    body = re.search(rf"struct {name} \{{(.*?)\}};", HEADER, re.S).group(1)
+    offsets, offset = {}, 0
+    for ctype, field, count in re.findall(r"^\s*([\w*]+(?:\s*\*)?)\s+(\w+)(?:\[(\w+)\])?;", body, re.M):
+        size = 8 if ctype.endswith("*") else _C_SIZES[ctype]
+        offset = (offset + size - 1) // size * size
+        offsets[field] = offset
+        n = 1 if not count else (int(count) if count.isdigit() else _constexpr(count))
+        offset += size * n
+    return offsets, (offset + 7) // 8 * 8
+
+
+def test_peers_table_offsets_match_the_struct():
+    offsets, size = _struct_offsets("PeersTable")
+    assert {k: v for k, v in offsets.items() if k != "pad"} == memory.PEERS_TABLE_OFFSETS
+    asserted = int(re.search(r"sizeof\(PeersTable\)\s*==\s*(\d+)", HEADER).group(1))
+    assert size == asserted == memory.PEERS_TABLE_BYTES
     o = memory.PEERS_TABLE_OFFSETS
     assert o["sym_peer"] + 8 * memory.MAX_RANKS == memory.PEERS_TABLE_BYTES
     assert o["nvl"] + 8 * memory.MAX_NVL_RANKS == o["sym_peer"]

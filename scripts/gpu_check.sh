@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Everything the GPU tier checks, in one call on a GPU machine (see ../shared/gpu-machine/README.md):
+#   source .device/setup.sh && bash scripts/gpu_check.sh [pytest -k expression]
+# Compiles every module cold (fresh cache) and warm, runs the GPU tests, writes logs under $OUT, prints a table.
+set -uo pipefail
+OUT=${OUT:-/tmp/epjit-out}
+mkdir -p "$OUT"
+export EPJIT_CACHE_DIR=${EPJIT_CACHE_DIR:-/tmp/epjit-cache-$$}
+nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true
+t0=$(date +%s.%N)
+python3 -m epjit.jit --check > "$OUT/jit-cold.log" 2>&1; cold_rc=$?
+t1=$(date +%s.%N)
+python3 -m epjit.jit --check > "$OUT/jit-warm.log" 2>&1; warm_rc=$?
+t2=$(date +%s.%N)
+sel=${1:-}
+python3 -m pytest -m gpu -q -s -rA --timeout 900 tests ${sel:+-k "$sel"} > "$OUT/gpu-tests.log" 2>&1; tests_rc=$?
+echo "=== tail of gpu-tests.log"; tail -c 6000 "$OUT/gpu-tests.log"
+echo "=== RESULT lines"; grep -h "RESULT\|{'rank'" "$OUT/gpu-tests.log" | cut -c1-400 | head -40
+echo "=== summary"
+printf "%-28s %s\n" "jit --check cold (s)" "$(python3 -c "print(round($t1 - $t0, 2))") rc=$cold_rc" \
+  "jit --check warm (s)" "$(python3 -c "print(round($t2 - $t1, 2))") rc=$warm_rc" \
+  "gpu tests" "rc=$tests_rc $(tail -n 1 "$OUT/gpu-tests.log")"
+tail -n 2 "$OUT/jit-warm.log"
+exit $tests_rc
