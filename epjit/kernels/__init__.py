@@ -4,12 +4,22 @@ from __future__ import annotations
 
 from ..jit.spec import KernelSpec
 from .foundation import BarrierSpec, PutSignalCheckSpec
+from .intranode import NUM_THREADS, IntranodeNotifySpec, IntranodeSpec, LayoutSpec
 
-__all__ = ["BarrierSpec", "PutSignalCheckSpec", "check_specs"]
+__all__ = [
+    "BarrierSpec",
+    "IntranodeNotifySpec",
+    "IntranodeSpec",
+    "LayoutSpec",
+    "PutSignalCheckSpec",
+    "check_specs",
+]
 
 
 def check_specs() -> list[KernelSpec]:
     """Every module `python -m epjit.jit --check` builds: each family at the instantiations epjit uses."""
     specs: list[KernelSpec] = [BarrierSpec(n) for n in (1, 2, 4, 8)]
-    specs += [PutSignalCheckSpec(False), PutSignalCheckSpec(True)]
+    specs += [PutSignalCheckSpec(False), PutSignalCheckSpec(True), LayoutSpec()]
+    for ranks in (2, 4, 8):
+        specs += [IntranodeNotifySpec(ranks), IntranodeSpec(ranks, NUM_THREADS)]
     return specs

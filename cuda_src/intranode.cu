@@ -1,0 +1,457 @@
+// Normal-mode dispatch and combine inside one NVLink node (DeepEP's intranode kernels; seed 001).
+//
+//   notify     block 0: write my counts into every peer's buffer and zero my queues' control words, barrier,
+//              then build rank_prefix_matrix and what the host needs; blocks 1..R build channel_prefix_matrix
+//              (tokens of each channel bound for each destination, prefix-summed over channels).
+//   dispatch   2 blocks a channel: even = sender, odd = receiver. A sender's warps are split among destination
+//              ranks; they push the channel's tokens for that rank through ring (channel, me) in the destination's
+//              buffer, chunk by chunk, publishing the tail. A receiver's warps are split among source ranks; they
+//              copy each ring into recv_x at the rows rank_prefix_matrix and the channel's start offset give, and
+//              publish the head. send_head[t][r] records the ring index token t took towards r (or, as -(i)-1,
+//              the index the next token towards r will take): combine's receipts.
+//   combine    the same rings in the other direction: the rank holding expert outputs sends each received row
+//              back to its source in received order, so it lands at the index send_head recorded; the source
+//              sums, for each token, the rows its receipts point at. A coordinator warp moves each ring's head to
+//              the slowest reader.
+//
+// Memory ordering (every pair): sender data stores -> bar.sync of the rank group -> st.release.sys of the tail by
+// one thread; receiver ld.acquire.sys of the tail -> bar.sync -> data loads. Receiver loads -> bar.sync ->
+// st.release.sys of the head; sender ld.acquire.sys of the head before it overwrites a slot.
+#include "barrier.cuh"
+#include "bf16.cuh"
+#include "intranode.cuh"
+#include "ptx.cuh"
+#include "wait.cuh"
+
+namespace epjit {
+
+// Status bits notify computes identically on every rank; dispatch does nothing if any is set, on every rank.
+constexpr int kStatusMetaMismatch = 1;   // hidden / num_experts / num_topk / flags differ across ranks
+constexpr int kStatusWorstTooSmall = 2;  // some rank would receive more rows than num_worst_tokens
+constexpr int kStatusLayoutTooBig = 4;   // some rank's layout does not fit its num_nvl_bytes
+constexpr int kMetaLayoutTooBig = 1 << 30;
+
+__device__ __forceinline__ void channel_range(int num_tokens, int num_channels, int channel, int& begin, int& end) {
+    const int per = (num_tokens + num_channels - 1) / num_channels;
+    begin = min(channel * per, num_tokens);
+    end = min(begin + per, num_tokens);
+}
+
+__device__ __forceinline__ float ld_volatile_f32(const float* p) {
+    return __int_as_float(ptx::ld_volatile_s32(reinterpret_cast<const int*>(p)));
+}
+
+// n int4 from src (read-only during the kernel) to dst with one warp, four 16-byte loads in flight per lane.
+__device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int lane) {
+    int i = lane;
+    for (; i + 96 < n; i += 128) {
+        const int4 a = ptx::ld_global_nc_L1_no_allocate_v4(src + i);
+        const int4 b = ptx::ld_global_nc_L1_no_allocate_v4(src + i + 32);
+        const int4 c = ptx::ld_global_nc_L1_no_allocate_v4(src + i + 64);
+        const int4 d = ptx::ld_global_nc_L1_no_allocate_v4(src + i + 96);
+        ptx::st_global_L1_no_allocate_v4(dst + i, a);
+        ptx::st_global_L1_no_allocate_v4(dst + i + 32, b);
+        ptx::st_global_L1_no_allocate_v4(dst + i + 64, c);
+        ptx::st_global_L1_no_allocate_v4(dst + i + 96, d);
+    }
+    for (; i < n; i += 32) ptx::st_global_L1_no_allocate_v4(dst + i, ptx::ld_global_nc_L1_no_allocate_v4(src + i));
+}
+
+// The same from a ring slot another GPU wrote during this kernel: the non-coherent path must not serve it.
+__device__ __forceinline__ void warp_copy_from_ring(int4* dst, const int4* src, int n, int lane) {
+    int i = lane;
+    for (; i + 96 < n; i += 128) {
+        const int4 a = ptx::ld_volatile_global_v4(src + i);
+        const int4 b = ptx::ld_volatile_global_v4(src + i + 32);
+        const int4 c = ptx::ld_volatile_global_v4(src + i + 64);
+        const int4 d = ptx::ld_volatile_global_v4(src + i + 96);
+        ptx::st_global_L1_no_allocate_v4(dst + i, a);
+        ptx::st_global_L1_no_allocate_v4(dst + i + 32, b);
+        ptx::st_global_L1_no_allocate_v4(dst + i + 64, c);
+        ptx::st_global_L1_no_allocate_v4(dst + i + 96, d);
+    }
+    for (; i < n; i += 32) ptx::st_global_L1_no_allocate_v4(dst + i, ptx::ld_volatile_global_v4(src + i));
+}
+
+// Host-mapped ints notify fills (host_out), read by the host after it synchronises the stream:
+//   [0] rows this rank receives   [1] status bits   [2, 2+4R) every rank's meta   [2+4R, 2+5R) rows each rank
+//   receives   [2+5R, 2+5R+L) rows per local expert, rounded up to expert_alignment
+template <int kNumRanks>
+__global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_per_rank,
+                                 const int* num_tokens_per_expert, const bool* is_token_in_rank, int num_tokens,
+                                 int num_channels, int num_slots, int hidden, int num_topk, int num_scales,
+                                 int num_experts, int flags, int expert_alignment, int num_worst_tokens, int cached,
+                                 int* rank_prefix_matrix, int* channel_prefix_matrix, int* host_out,
+                                 int* device_status) {
+    const int me = peers->nvl_rank;
+    const int t = static_cast<int>(threadIdx.x);
+    const int num_local_experts = num_experts / kNumRanks;
+    if (blockIdx.x > 0) {
+        if (cached) return;  // a cached handle brings its channel_prefix_matrix
+        const int dst = static_cast<int>(blockIdx.x) - 1;
+        const int warp = t / 32, lane = t % 32, num_warps = static_cast<int>(blockDim.x) / 32;
+        for (int c = warp; c < num_channels; c += num_warps) {
+            int begin, end;
+            channel_range(num_tokens, num_channels, c, begin, end);
+            int count = 0;
+            for (int i = begin + lane; i < end; i += 32)
+                count += is_token_in_rank[static_cast<int64_t>(i) * kNumRanks + dst] ? 1 : 0;
+            for (int o = 16; o > 0; o >>= 1) count += __shfl_xor_sync(0xffffffffu, count, o);
+            if (lane == 0) channel_prefix_matrix[dst * num_channels + c] = count;
+        }
+        __syncthreads();
+        if (t == 0)
+            for (int c = 1; c < num_channels; ++c)
+                channel_prefix_matrix[dst * num_channels + c] += channel_prefix_matrix[dst * num_channels + c - 1];
+        return;
+    }
+
+    IntranodeLayout mine(nvl_ptr(peers, me, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden, num_topk,
+                         num_scales, num_local_experts);
+    const bool fits = mine.end <= peers->nvl_bytes;
+    // Zero my queues' control words (dispatch and combine): their previous writers (the last dispatch's senders,
+    // the last combine's senders and my coordinator) finished before any rank could pass the barrier below.
+    for (int i = t; i < 6 * num_channels * kNumRanks; i += blockDim.x) mine.dispatch_ctrl[i] = 0;
+    if (t < kNumRanks) {
+        // Counts and meta sit before the rings, at offsets that depend only on R and C: safe to write even when
+        // this call's rings do not fit (every buffer holds at least that much; the Buffer checks it). The meta
+        // says so then, and every rank stops.
+        IntranodeLayout peer(nvl_ptr(peers, t, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
+                             num_topk, num_scales, num_local_experts);
+        if (!cached) {
+            for (int i = 0; i < kNumRanks; ++i) peer.counts[me * kNumRanks + i] = num_tokens_per_rank[i];
+            if (fits)
+                for (int l = 0; l < num_local_experts; ++l)
+                    peer.expert_counts[me * num_local_experts + l] = num_tokens_per_expert[t * num_local_experts + l];
+        }
+        peer.meta[me * 4 + 0] = hidden;
+        peer.meta[me * 4 + 1] = num_experts;
+        peer.meta[me * 4 + 2] = num_topk;
+        peer.meta[me * 4 + 3] = flags | (fits ? 0 : kMetaLayoutTooBig);
+    }
+    // Pairs the count writes above with every peer's reads below (nvl_barrier_block fences and releases).
+    nvl_barrier_block<kNumRanks>(peers, "intranode_notify: peer's counts and meta");
+
+    __shared__ int status;
+    if (t == 0) status = 0;
+    __syncthreads();
+    if (t < kNumRanks) {
+        bool same = true;
+        for (int j = 0; j < 4; ++j) {
+            host_out[2 + t * 4 + j] = mine.meta[t * 4 + j];
+            same = same && mine.meta[t * 4 + j] == mine.meta[me * 4 + j];
+        }
+        if (mine.meta[t * 4 + 3] & kMetaLayoutTooBig) atomicOr(&status, kStatusLayoutTooBig);
+        else if (!same) atomicOr(&status, kStatusMetaMismatch);
+        if (!cached) {
+            // Column t of the counts matrix, prefix-summed over source ranks (DeepEP's rank_prefix_matrix).
+            int sum = 0;
+            for (int i = 0; i < kNumRanks; ++i) {
+                sum += mine.counts[i * kNumRanks + t];
+                rank_prefix_matrix[i * kNumRanks + t] = sum;
+            }
+        }
+    }
+    __syncthreads();
+    if (t < kNumRanks) {
+        const int total = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + t];
+        host_out[2 + 4 * kNumRanks + t] = total;
+        if (num_worst_tokens > 0 && total > num_worst_tokens) atomicOr(&status, kStatusWorstTooSmall);
+    }
+    if (!cached && fits)
+        for (int l = t; l < num_local_experts; l += blockDim.x) {
+            int sum = 0;
+            for (int i = 0; i < kNumRanks; ++i) sum += mine.expert_counts[i * num_local_experts + l];
+            host_out[2 + 5 * kNumRanks + l] = (sum + expert_alignment - 1) / expert_alignment * expert_alignment;
+        }
+    __syncthreads();
+    if (t == 0) {
+        *device_status = status;
+        host_out[1] = status;
+        host_out[0] = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + me];
+    }
+}
+
+template <int kNumRanks, int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1)
+intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales, const int64_t* topk_idx,
+                   const float* topk_weights, const bool* is_token_in_rank, const int* channel_prefix_matrix,
+                   const int* rank_prefix_matrix, const int* device_status, int4* recv_x, float* recv_x_scales,
+                   int* recv_src_idx, int64_t* recv_topk_idx, float* recv_topk_weights, int* recv_channel_offset,
+                   int* send_head, int num_tokens, int hidden, int x_row_int4, int num_scales, int num_topk,
+                   int num_experts, int num_channels, int num_slots, int num_max_send_tokens, int num_worst_tokens) {
+    constexpr int kNumWarps = kNumThreads / 32;
+    constexpr int kWarpsPerRank = kNumWarps / kNumRanks;
+    static_assert(kNumWarps % kNumRanks == 0, "warps must split evenly among ranks");
+    if (*device_status != 0) return;
+
+    const int me = peers->nvl_rank;
+    const int channel = static_cast<int>(blockIdx.x) / 2;
+    const bool is_sender = blockIdx.x % 2 == 0;
+    const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+    const int peer = warp / kWarpsPerRank, warp_in_rank = warp % kWarpsPerRank;
+    const int group_thread = warp_in_rank * 32 + lane;
+    const int peer_rank = peers->rank - me + peer;
+    const int num_local_experts = num_experts / kNumRanks;
+    int begin, end;
+    channel_range(num_tokens, num_channels, channel, begin, end);
+
+    if (is_sender) {
+        const IntranodeLayout dst(nvl_ptr(peers, peer, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
+                                  num_topk, num_scales, 0);
+        const int q = dst.queue(channel, me);
+        if (group_thread == 0) {
+            const int start = channel > 0 ? channel_prefix_matrix[peer * num_channels + channel - 1] : 0;
+            const int finish = channel_prefix_matrix[peer * num_channels + channel];
+            ptx::st_release_sys_s32(dst.start(q), -start - 1);
+            ptx::st_release_sys_s32(dst.finish(q), -finish - 1);
+        }
+        const int64_t lo = static_cast<int64_t>(peer) * num_local_experts, hi = lo + num_local_experts;
+        int tail = 0;
+        for (int t = begin; t < end;) {
+            // Room for a whole chunk: at most num_slots - num_max_send_tokens slots may be in use.
+            if (lane == 0) {
+                timeout_while(peers, WaitSite{"intranode_dispatch sender: ring space (head)", peer_rank, channel,
+                                              tail - num_slots + num_max_send_tokens},
+                              [&](int64_t& seen) {
+                                  const int head = ptx::ld_acquire_sys_s32(dst.dispatch_head(q));
+                                  seen = head;
+                                  return tail - head > num_slots - num_max_send_tokens;
+                              });
+            }
+            __syncwarp();
+            for (int chunk = 0; chunk < num_max_send_tokens && t < end; ++t) {
+                const bool selected = is_token_in_rank[static_cast<int64_t>(t) * kNumRanks + peer];
+                if (group_thread == 0) send_head[static_cast<int64_t>(t) * kNumRanks + peer] = selected ? tail : -tail - 1;
+                if (!selected) continue;
+                const int slot = tail % num_slots;
+                if (chunk % kWarpsPerRank == warp_in_rank) {
+                    warp_copy(dst.x_slot(q, slot), x + static_cast<int64_t>(t) * x_row_int4, x_row_int4, lane);
+                    if (lane == 0) *dst.src_slot(q, slot) = t;
+                    if (topk_idx != nullptr && lane < num_topk) {
+                        const int64_t e = topk_idx[static_cast<int64_t>(t) * num_topk + lane];
+                        const bool local = e >= lo && e < hi;
+                        dst.topk_idx_slot(q, slot)[lane] = local ? static_cast<int>(e - lo) : -1;
+                        if (topk_weights != nullptr)
+                            dst.topk_weights_slot(q, slot)[lane] =
+                                local ? topk_weights[static_cast<int64_t>(t) * num_topk + lane] : 0.0f;
+                    }
+                    for (int s = lane; s < num_scales; s += 32)
+                        dst.scales_slot(q, slot)[s] = x_scales[static_cast<int64_t>(t) * num_scales + s];
+                }
+                ++tail;
+                ++chunk;
+            }
+            ptx::bar_sync(peer + 1, kWarpsPerRank * 32);
+            if (group_thread == 0) ptx::st_release_sys_s32(dst.dispatch_tail(q), tail);
+        }
+        return;
+    }
+
+    // Receiver: my warps of group `peer` drain the ring that rank `peer` fills for this channel.
+    const IntranodeLayout mine(nvl_ptr(peers, me, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
+                               num_topk, num_scales, 0);
+    const int q = mine.queue(channel, peer);
+    __shared__ int s_start[kNumRanks], s_count[kNumRanks], s_tail[kNumRanks];
+    if (group_thread == 0) {
+        int start = 0, finish = 0;
+        timeout_while(peers, WaitSite{"intranode_dispatch receiver: channel start offset", peer_rank, channel, 0},
+                      [&](int64_t& seen) {
+                          seen = start = ptx::ld_acquire_sys_s32(mine.start(q));
+                          return start == 0;
+                      });
+        timeout_while(peers, WaitSite{"intranode_dispatch receiver: channel end offset", peer_rank, channel, 0},
+                      [&](int64_t& seen) {
+                          seen = finish = ptx::ld_acquire_sys_s32(mine.finish(q));
+                          return finish == 0;
+                      });
+        s_start[peer] = -start - 1;
+        s_count[peer] = (-finish - 1) - (-start - 1);
+    }
+    ptx::bar_sync(peer + 1, kWarpsPerRank * 32);
+    const int count = s_count[peer];
+    const int64_t row0 = (peer > 0 ? rank_prefix_matrix[(peer - 1) * kNumRanks + me] : 0) + s_start[peer];
+    if (group_thread == 0) recv_channel_offset[peer * num_channels + channel] = static_cast<int>(row0);
+
+    for (int head = 0; head < count;) {
+        if (group_thread == 0) {
+            int tail = head;
+            timeout_while(peers, WaitSite{"intranode_dispatch receiver: ring tail", peer_rank, channel, head + 1},
+                          [&](int64_t& seen) {
+                              seen = tail = ptx::ld_acquire_sys_s32(mine.dispatch_tail(q));
+                              return tail == head;
+                          });
+            s_tail[peer] = tail;
+        }
+        ptx::bar_sync(peer + 1, kWarpsPerRank * 32);
+        const int tail = s_tail[peer];
+        for (int i = head + warp_in_rank; i < tail; i += kWarpsPerRank) {
+            const int slot = i % num_slots;
+            const int64_t row = row0 + i;
+            warp_copy_from_ring(recv_x + row * x_row_int4, mine.x_slot(q, slot), x_row_int4, lane);
+            if (lane == 0) recv_src_idx[row] = ptx::ld_volatile_s32(mine.src_slot(q, slot));
+            if (recv_topk_idx != nullptr && lane < num_topk) {
+                recv_topk_idx[row * num_topk + lane] = ptx::ld_volatile_s32(mine.topk_idx_slot(q, slot) + lane);
+                if (recv_topk_weights != nullptr)
+                    recv_topk_weights[row * num_topk + lane] = ld_volatile_f32(mine.topk_weights_slot(q, slot) + lane);
+            }
+            for (int s = lane; s < num_scales; s += 32)
+                recv_x_scales[row * num_scales + s] = ld_volatile_f32(mine.scales_slot(q, slot) + s);
+        }
+        // Every warp of the group has read slots [head, tail) before the sender may reuse them.
+        ptx::bar_sync(peer + 1, kWarpsPerRank * 32);
+        head = tail;
+        if (group_thread == 0) ptx::st_release_sys_s32(mine.dispatch_head(q), head);
+    }
+
+    // Worst-token mode: rows past what arrived are padding, with no expert and no weight.
+    if (num_worst_tokens > 0) {
+        const int total = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + me];
+        const int receivers = static_cast<int>(gridDim.x) / 2;
+        for (int64_t row = total + static_cast<int64_t>(channel) * kNumThreads + threadIdx.x; row < num_worst_tokens;
+             row += static_cast<int64_t>(receivers) * kNumThreads) {
+            recv_src_idx[row] = -1;
+            for (int k = 0; k < num_topk && recv_topk_idx != nullptr; ++k) {
+                recv_topk_idx[row * num_topk + k] = -1;
+                if (recv_topk_weights != nullptr) recv_topk_weights[row * num_topk + k] = 0.0f;
+            }
+        }
+    }
+}
+
+// One barrier before combine: every rank has finished dispatch (no one still reads a ring a combine sender is
+// about to overwrite) and has zeroed its combine control words before any sender uses them.
+template <int kNumRanks>
+__global__ void intranode_combine_prepare(const PeersTable* peers, int num_channels) {
+    const IntranodeLayout mine(nvl_ptr(peers, peers->nvl_rank, kNvlHeaderBytes), kNumRanks, num_channels, 0, 0, 0, 0,
+                               0);
+    for (int i = threadIdx.x; i < 2 * num_channels * kNumRanks; i += blockDim.x) mine.combine_ctrl[i] = 0;
+    nvl_barrier_block<kNumRanks>(peers, "intranode_combine_prepare: peer's arrival");
+}
+
+template <int kNumRanks, int kNumThreads>
+__global__ void __launch_bounds__(kNumThreads, 1)
+intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_weights, const int4* bias0,
+                  const int4* bias1, const int* rank_prefix_matrix, const int* recv_channel_offset,
+                  const int* send_head, int4* out_x, float* out_topk_weights, int num_tokens, int hidden,
+                  int num_topk, int num_channels, int num_slots, int num_max_send_tokens) {
+    constexpr int kNumWarps = kNumThreads / 32;
+    constexpr int kWarpsPerRank = kNumWarps / kNumRanks;
+    static_assert(kNumWarps % kNumRanks == 0, "warps must split evenly among ranks");
+    const int me = peers->nvl_rank;
+    const int channel = static_cast<int>(blockIdx.x) / 2;
+    const bool is_sender = blockIdx.x % 2 == 0;
+    const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+    const int row_int4 = hidden / 8;
+
+    if (is_sender) {
+        // Rows rank `peer` sent me on this channel, in the order they arrived: they go back in that order, so
+        // the k-th lands at ring index k, which is what peer's send_head recorded.
+        const int peer = warp / kWarpsPerRank, warp_in_rank = warp % kWarpsPerRank;
+        const int group_thread = warp_in_rank * 32 + lane;
+        const int peer_rank = peers->rank - me + peer;
+        const IntranodeLayout dst(nvl_ptr(peers, peer, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
+                                  num_topk, 0, 0);
+        const int q = dst.queue(channel, me);
+        const int first = recv_channel_offset[peer * num_channels + channel];
+        const int last = channel + 1 < num_channels ? recv_channel_offset[peer * num_channels + channel + 1]
+                                                    : rank_prefix_matrix[peer * kNumRanks + me];
+        int tail = 0;
+        for (int row = first; row < last;) {
+            if (lane == 0) {
+                timeout_while(peers, WaitSite{"intranode_combine sender: ring space (head)", peer_rank, channel,
+                                              tail - num_slots + num_max_send_tokens},
+                              [&](int64_t& seen) {
+                                  const int head = ptx::ld_acquire_sys_s32(dst.combine_head(q));
+                                  seen = head;
+                                  return tail - head > num_slots - num_max_send_tokens;
+                              });
+            }
+            __syncwarp();
+            for (int chunk = 0; chunk < num_max_send_tokens && row < last; ++chunk, ++row, ++tail) {
+                if (chunk % kWarpsPerRank != warp_in_rank) continue;
+                const int slot = tail % num_slots;
+                warp_copy(dst.x_slot(q, slot), y + static_cast<int64_t>(row) * row_int4, row_int4, lane);
+                if (y_topk_weights != nullptr && lane < num_topk)
+                    dst.topk_weights_slot(q, slot)[lane] = y_topk_weights[static_cast<int64_t>(row) * num_topk + lane];
+            }
+            ptx::bar_sync(peer + 1, kWarpsPerRank * 32);
+            if (group_thread == 0) ptx::st_release_sys_s32(dst.combine_tail(q), tail);
+        }
+        return;
+    }
+
+    // Receiver: warp 0 coordinates the heads, warps 1.. reduce tokens begin + w - 1, step kNumWarps - 1.
+    const IntranodeLayout mine(nvl_ptr(peers, me, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
+                               num_topk, 0, 0);
+    __shared__ volatile int progress[kNumWarps][kNumRanks];  // next ring index reader w needs from rank r
+    __shared__ volatile int retired[kNumWarps];
+    for (int i = threadIdx.x; i < kNumWarps * kNumRanks; i += kNumThreads) progress[i / kNumRanks][i % kNumRanks] = 0;
+    if (threadIdx.x < kNumWarps) retired[threadIdx.x] = 0;
+    __syncthreads();
+    int begin, end;
+    channel_range(num_tokens, num_channels, channel, begin, end);
+
+    if (warp == 0) {
+        int last = 0;
+        timeout_while(peers, WaitSite{"intranode_combine coordinator: readers to finish", -1, channel, 0},
+                      [&](int64_t& seen) {
+                          bool done = true;
+                          int low = 0x7fffffff;
+                          for (int w = 1; w < kNumWarps; ++w) {
+                              if (retired[w]) continue;
+                              done = false;
+                              if (lane < kNumRanks) low = min(low, progress[w][lane]);
+                          }
+                          if (lane < kNumRanks && !done && low > last) {
+                              last = low;
+                              ptx::st_release_sys_s32(mine.combine_head(mine.queue(channel, lane)), last);
+                          }
+                          seen = last;
+                          return !done;
+                      });
+        return;
+    }
+
+    for (int t = begin + warp - 1; t < end; t += kNumWarps - 1) {
+        const int expected = lane < kNumRanks ? send_head[static_cast<int64_t>(t) * kNumRanks + lane] : -1;
+        if (lane < kNumRanks && expected >= 0) {
+            timeout_while(peers, WaitSite{"intranode_combine reader: ring tail", peers->rank - me + lane, channel,
+                                          expected + 1},
+                          [&](int64_t& seen) {
+                              const int tail = ptx::ld_acquire_sys_s32(mine.combine_tail(mine.queue(channel, lane)));
+                              seen = tail;
+                              return tail <= expected;
+                          });
+        }
+        __syncwarp();
+        int slot[kNumRanks];
+#pragma unroll
+        for (int r = 0; r < kNumRanks; ++r) {
+            const int e = __shfl_sync(0xffffffffu, expected, r);
+            slot[r] = e >= 0 ? e % num_slots : -1;
+        }
+        for (int i = lane; i < row_int4; i += 32) {
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            if (bias0 != nullptr) add_bf16x8(acc, bias0[static_cast<int64_t>(t) * row_int4 + i]);
+            if (bias1 != nullptr) add_bf16x8(acc, bias1[static_cast<int64_t>(t) * row_int4 + i]);
+#pragma unroll
+            for (int r = 0; r < kNumRanks; ++r)
+                if (slot[r] >= 0) add_bf16x8(acc, ptx::ld_volatile_global_v4(mine.x_slot(mine.queue(channel, r), slot[r]) + i));
+            ptx::st_global_L1_no_allocate_v4(out_x + static_cast<int64_t>(t) * row_int4 + i, pack_bf16x8(acc));
+        }
+        if (out_topk_weights != nullptr && lane < num_topk) {
+            float w = 0.0f;
+#pragma unroll
+            for (int r = 0; r < kNumRanks; ++r)
+                if (slot[r] >= 0) w += ld_volatile_f32(mine.topk_weights_slot(mine.queue(channel, r), slot[r]) + lane);
+            out_topk_weights[static_cast<int64_t>(t) * num_topk + lane] = w;
+        }
+        __syncwarp();
+        if (lane < kNumRanks) progress[warp][lane] = expected >= 0 ? expected + 1 : -expected - 1;
+    }
+    __syncwarp();
+    if (lane == 0) retired[warp] = 1;
+}
+
+}  // namespace epjit

@@ -1,0 +1,214 @@
+"""``python -m epjit.launch -n N -m epjit.bench [--json out.json]``: epjit beside NCCL all_to_all_single.
+
+Same run, same inputs, same bytes: for each case the routing's split sizes feed NCCL's ``all_to_all_single`` (what a
+user would write instead of epjit). Timing follows DESIGN.md's protocol: CUDA events around the operation,
+warm-up first, median of ``--repeat`` runs (>= 20), a barrier between runs.
+
+Bandwidth columns:
+  out GB/s    bytes that leave this GPU (rows to other ranks) / time: what NVLink carries
+  DeepEP GB/s received rows (self included) x row bytes / time: DeepEP's accounting, to compare with theirs
+  % NVLink    out GB/s against the measured plain-store ceiling (DESIGN.md: 331-345 GB/s, all ranks at once)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+PLAIN_STORE_CEILING_GBS = 345.0  # DESIGN.md, 4 x H200, 16-byte stores from all SMs, all ranks to all peers
+
+
+@dataclass
+class Row:
+    mode: str
+    tokens: int
+    hidden: int
+    topk: int
+    experts: int
+    sms: int
+    ranks: int
+    epjit_us: float
+    nccl_us: float | None
+    out_gbs: float
+    deepep_gbs: float
+    nccl_out_gbs: float | None
+    ratio: float | None  # NCCL time / epjit time
+    pct_nvlink: float
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _median_us(fn: Any, group: Any, repeat: int, warmup: int = 5) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        group.barrier()  # every rank starts together, as in a real step
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def _routing(num_tokens: int, topk: int, num_experts: int, seed: int) -> tuple[Any, Any]:
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    scores = torch.rand(num_tokens, num_experts, device="cuda", generator=g)
+    idx = scores.topk(topk, dim=1).indices.to(torch.int64)  # uniform random distinct experts
+    w = torch.rand(num_tokens, topk, device="cuda", generator=g)
+    return idx, w
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    import torch
+    import torch.distributed as dist
+
+    import epjit
+    from epjit.config import Config
+
+    group = epjit.init()
+    torch.cuda.set_device(group.device)
+    port = int(group.bcast_bytes(str(_free_port()).encode() if group.rank == 0 else None).decode())
+    dist.init_process_group("nccl", init_method=f"tcp://{group.hosts[0]}:{port}", rank=group.rank,
+                            world_size=group.size, device_id=torch.device("cuda", group.device))
+    r = group.size
+    hint = epjit.Buffer.get_normal_size_hint(r, max(args.hidden), args.topk, args.experts,
+                                             Config(max(args.sms), args.chunk_send, args.chunk_recv))
+    buf = epjit.Buffer(group, num_nvl_bytes=hint)
+    rows: list[Row] = []
+    try:
+        for hidden in args.hidden:
+            for tokens in args.tokens:
+                for sms in args.sms:
+                    cfg = Config(sms, args.chunk_send, args.chunk_recv)
+                    for mode in args.modes:
+                        rows.append(_bench_case(buf, group, dist, mode, tokens, hidden, args, cfg))
+                        if group.rank == 0:
+                            _print_row(rows[-1])
+    finally:
+        buf.close()
+        dist.destroy_process_group()
+    return rows
+
+
+def _bench_case(buf: Any, group: Any, dist: Any, mode: str, tokens: int, hidden: int, args: argparse.Namespace,
+                cfg: Any) -> Row:
+    import torch
+
+    r, rank = group.size, group.rank
+    idx, w = _routing(tokens, args.topk, args.experts, seed=1234 + rank)
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    fp8 = mode == "dispatch-fp8"
+    if fp8:
+        scales = x.float().view(tokens, hidden // 128, 128).abs().amax(-1).clamp(min=1e-4) / 448
+        xq = (x.float().view(tokens, hidden // 128, 128) / scales[..., None]).view(tokens, hidden)
+        x_arg: Any = (xq.to(torch.float8_e4m3fn), scales.contiguous())
+        row_bytes = hidden + hidden // 128 * 4
+    else:
+        x_arg = x
+        row_bytes = hidden * 2
+    layout = buf.get_dispatch_layout(idx, args.experts)
+    d = buf.dispatch(x_arg, topk_idx=idx, topk_weights=w, layout=layout, config=cfg)
+    send_counts = layout.num_tokens_per_rank.cpu().tolist()
+    recv_counts = [int(c[rank]) for c in group.allgather_object(send_counts)]
+    recv_rows = sum(recv_counts)
+    if mode == "combine":
+        op = (lambda: buf.combine(d.x, d.handle, config=cfg))  # noqa: E731
+        out_rows = recv_rows - recv_counts[rank]  # rows going back to other ranks
+    else:
+        op = (lambda: buf.dispatch(x_arg, topk_idx=idx, topk_weights=w, layout=layout, config=cfg))  # noqa: E731
+        out_rows = sum(send_counts) - send_counts[rank]
+    t_epjit = _median_us(op, group, args.repeat)
+
+    nccl_us = None
+    if not args.no_nccl:
+        elem = 1 if fp8 else 2
+        cols = row_bytes // elem if not fp8 else row_bytes
+        dtype = torch.uint8 if fp8 else torch.bfloat16
+        if mode == "combine":
+            inp = torch.empty(recv_rows, cols, dtype=dtype, device="cuda")
+            out = torch.empty(sum(send_counts), cols, dtype=dtype, device="cuda")
+            in_split, out_split = recv_counts, send_counts
+        else:
+            inp = torch.empty(sum(send_counts), cols, dtype=dtype, device="cuda")
+            out = torch.empty(recv_rows, cols, dtype=dtype, device="cuda")
+            in_split, out_split = send_counts, recv_counts
+        nccl_us = _median_us(lambda: dist.all_to_all_single(out, inp, out_split, in_split), group, args.repeat)
+    out_gbs = out_rows * row_bytes / (t_epjit * 1e-6) / 1e9
+    deepep_gbs = recv_rows * row_bytes / (t_epjit * 1e-6) / 1e9
+    # Report the slowest rank's time (every rank waits for it in a real step).
+    times = group.allgather_object((t_epjit, nccl_us, out_gbs))
+    t_epjit = max(t[0] for t in times)
+    nccl_us = max(t[1] for t in times) if nccl_us is not None else None
+    out_gbs = min(t[2] for t in times)
+    return Row(mode, tokens, hidden, args.topk, args.experts, cfg.num_sms, r, round(t_epjit, 1),
+               round(nccl_us, 1) if nccl_us else None, round(out_gbs, 1), round(deepep_gbs, 1),
+               round(out_rows * row_bytes / (nccl_us * 1e-6) / 1e9, 1) if nccl_us else None,
+               round(nccl_us / t_epjit, 2) if nccl_us else None, round(100 * out_gbs / PLAIN_STORE_CEILING_GBS, 1))
+
+
+_HEADER = (f"{'mode':<13} {'tokens':>6} {'hidden':>6} {'sms':>3} {'R':>2} {'epjit us':>9} {'out GB/s':>8} "
+           f"{'DeepEP GB/s':>11} {'NCCL us':>8} {'NCCL GB/s':>9} {'NCCL/epjit':>10} {'% NVLink':>8}")
+
+
+def _print_row(row: Row) -> None:
+    if not getattr(_print_row, "header", False):
+        print(_HEADER)
+        _print_row.header = True  # type: ignore[attr-defined]
+    print(f"{row.mode:<13} {row.tokens:>6} {row.hidden:>6} {row.sms:>3} {row.ranks:>2} {row.epjit_us:>9.1f} "
+          f"{row.out_gbs:>8.1f} {row.deepep_gbs:>11.1f} {row.nccl_us or float('nan'):>8.1f} "
+          f"{row.nccl_out_gbs or float('nan'):>9.1f} {row.ratio or float('nan'):>10.2f} {row.pct_nvlink:>8.1f}",
+          flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m epjit.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096])
+    parser.add_argument("--hidden", type=int, nargs="+", default=[7168])
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--sms", type=int, nargs="+", default=[24])
+    parser.add_argument("--chunk-send", type=int, default=6)
+    parser.add_argument("--chunk-recv", type=int, default=256)
+    parser.add_argument("--modes", nargs="+", default=["dispatch", "dispatch-fp8", "combine"],
+                        choices=["dispatch", "dispatch-fp8", "combine"])
+    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--no-nccl", action="store_true")
+    parser.add_argument("--json", help="write the rows here (rank 0)")
+    args = parser.parse_args(argv)
+    if args.repeat < 20:
+        parser.error("--repeat must be >= 20 (DESIGN.md's protocol)")
+    start = time.time()
+    rows = run(args)
+    import epjit
+
+    group = epjit.init()
+    if group.rank == 0 and args.json:
+        meta = {"date": time.strftime("%Y-%m-%d"), "host": socket.gethostname(), "seconds": time.time() - start,
+                "argv": sys.argv, "env": {k: v for k, v in os.environ.items() if k.startswith(("EPJIT_", "NCCL_"))}}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Specs of the normal-mode kernels (cuda_src/layout.cu, cuda_src/intranode.cu), the host mirror of the NVLink
+buffer layout (cuda_src/intranode.cuh) and the config heuristics. Pure Python: testable without a GPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..jit.spec import KernelSpec
+
+PEERS = ("peers", "const PeersTable*")
+NUM_THREADS = 768  # 24 warps a block: splits evenly among 1, 2, 3, 4, 6 and 8 ranks
+
+
+@dataclass(frozen=True)
+class LayoutSpec(KernelSpec):
+    """cuda_src/layout.cu: counts per rank/node/expert and is_token_in_rank from topk_idx."""
+
+    SOURCE = "layout.cu"
+    KERNELS = {
+        "dispatch_layout": (("topk_idx", "const int64_t*"), ("num_tokens", "int"), ("num_topk", "int"),
+                            ("num_experts", "int"), ("num_ranks", "int"), ("num_nvl_ranks", "int"),
+                            ("num_tokens_per_rank", "int*"), ("num_tokens_per_rdma_rank", "int*"),
+                            ("num_tokens_per_expert", "int*"), ("is_token_in_rank", "bool*")),
+    }
+
+
+@dataclass(frozen=True)
+class IntranodeNotifySpec(KernelSpec):
+    num_ranks: int
+
+    SOURCE = "intranode.cu"
+    KERNELS = {
+        "intranode_notify": (PEERS, ("num_tokens_per_rank", "const int*"), ("num_tokens_per_expert", "const int*"),
+                             ("is_token_in_rank", "const bool*"), ("num_tokens", "int"), ("num_channels", "int"),
+                             ("num_slots", "int"), ("hidden", "int"), ("num_topk", "int"), ("num_scales", "int"),
+                             ("num_experts", "int"), ("flags", "int"), ("expert_alignment", "int"),
+                             ("num_worst_tokens", "int"), ("cached", "int"), ("rank_prefix_matrix", "int*"),
+                             ("channel_prefix_matrix", "int*"), ("host_out", "int*"), ("device_status", "int*")),
+        "intranode_combine_prepare": (PEERS, ("num_channels", "int")),
+    }
+
+
+@dataclass(frozen=True)
+class IntranodeSpec(KernelSpec):
+    num_ranks: int
+    num_threads: int
+
+    SOURCE = "intranode.cu"
+    KERNELS = {
+        "intranode_dispatch": (
+            PEERS, ("x", "const int4*"), ("x_scales", "const float*"), ("topk_idx", "const int64_t*"),
+            ("topk_weights", "const float*"), ("is_token_in_rank", "const bool*"),
+            ("channel_prefix_matrix", "const int*"), ("rank_prefix_matrix", "const int*"),
+            ("device_status", "const int*"), ("recv_x", "int4*"), ("recv_x_scales", "float*"),
+            ("recv_src_idx", "int*"), ("recv_topk_idx", "int64_t*"), ("recv_topk_weights", "float*"),
+            ("recv_channel_offset", "int*"), ("send_head", "int*"), ("num_tokens", "int"), ("hidden", "int"),
+            ("x_row_int4", "int"), ("num_scales", "int"), ("num_topk", "int"), ("num_experts", "int"),
+            ("num_channels", "int"), ("num_slots", "int"), ("num_max_send_tokens", "int"),
+            ("num_worst_tokens", "int")),
+        "intranode_combine": (
+            PEERS, ("y", "const int4*"), ("y_topk_weights", "const float*"), ("bias0", "const int4*"),
+            ("bias1", "const int4*"), ("rank_prefix_matrix", "const int*"), ("recv_channel_offset", "const int*"),
+            ("send_head", "const int*"), ("out_x", "int4*"), ("out_topk_weights", "float*"), ("num_tokens", "int"),
+            ("hidden", "int"), ("num_topk", "int"), ("num_channels", "int"), ("num_slots", "int"),
+            ("num_max_send_tokens", "int")),
+    }
+
+    def __post_init__(self) -> None:
+        if (self.num_threads // 32) % self.num_ranks:
+            raise ValueError(f"{self.num_threads // 32} warps do not split among {self.num_ranks} ranks")
+
+
+def _align128(n: int) -> int:
+    return (n + 127) // 128 * 128
+
+
+def intranode_nvl_bytes(num_ranks: int, num_channels: int, num_slots: int, hidden: int, num_topk: int,
+                        num_scales: int, num_local_experts: int) -> int:
+    """Bytes of NVLink payload the intranode kernels address (the mirror of IntranodeLayout's constructor)."""
+    r, c, t, k = num_ranks, num_channels, num_slots, num_topk
+    sizes = [4 * c * r * 4, 2 * c * r * 4, r * r * 4, r * 4 * 4, c * r * t * hidden * 2, c * r * t * 4,
+             c * r * t * k * 4, c * r * t * k * 4, c * r * t * num_scales * 4, r * num_local_experts * 4]
+    return sum(_align128(s) for s in sizes)
+
+
+def intranode_min_nvl_bytes(num_ranks: int, max_channels: int) -> int:
+    """What every rank's buffer must hold whatever the call: the control words, counts and meta (notify writes
+    them before it knows whether this call's rings fit)."""
+    return intranode_nvl_bytes(num_ranks, max_channels, 0, 0, 0, 0, 0)

@@ -1,0 +1,261 @@
+"""One rank of the normal-mode GPU check: layout, dispatch and combine against epjit.reference on every case of
+the matrix, handle replay, worst-token padding, a cross-rank mismatch, and back-to-back runs that must repeat bit
+for bit. Every rank builds every rank's inputs from the same seed (the reference needs all of them) and checks
+its own outputs. Prints ``RESULT {json}``; exits non-zero on the first mismatch.
+
+    python -m epjit.launch -n 4 tests/ranks/intranode.py [--quick] [--loops 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+import torch
+
+import epjit
+from epjit import reference
+
+BF16 = ml_dtypes.bfloat16
+os.environ.setdefault("EPJIT_POISON_OUTPUTS", "1")  # a row the kernel forgets must not read as plausible zeros
+
+
+def make_inputs(seed: int, counts: list[int], hidden: int, topk: int, num_experts: int, holes: float):
+    rng = np.random.default_rng(seed)
+    xs, idxs, ws = [], [], []
+    for n in counts:
+        xs.append(rng.standard_normal((n, hidden), dtype=np.float32).astype(BF16))
+        idx = np.argsort(rng.random((n, num_experts)), axis=1)[:, :topk].astype(np.int64)
+        if holes:
+            idx[rng.random(idx.shape) < holes] = -1
+        idxs.append(idx)
+        ws.append(rng.random((n, topk), dtype=np.float32))
+    return xs, idxs, ws
+
+
+def to_torch(a: np.ndarray) -> torch.Tensor:
+    if a.dtype == BF16:
+        return torch.from_numpy(a.view(np.uint16).copy()).cuda().view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).cpu().numpy().view(BF16)
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).cpu().numpy()
+    return t.cpu().numpy()
+
+
+class Mismatch(AssertionError):
+    pass
+
+
+def same(name: str, got: np.ndarray, want: np.ndarray) -> None:
+    """Bit-exact equality (the kernels reproduce the reference's arithmetic order)."""
+    got, want = np.ascontiguousarray(got), np.ascontiguousarray(want)
+    if got.shape != want.shape or got.dtype != want.dtype:
+        raise Mismatch(f"{name}: {got.dtype}{list(got.shape)} != reference {want.dtype}{list(want.shape)}")
+    if got.tobytes() != want.tobytes():
+        bad = np.argwhere(got.astype(np.float64) != want.astype(np.float64))
+        first = tuple(bad[0]) if len(bad) else ()
+        raise Mismatch(
+            f"{name}: {len(bad)} elements differ, first at {bad[:3].tolist()}: got {got[first]!r} want {want[first]!r}"
+        )
+
+
+def run_case(
+    buf,
+    rank: int,
+    R: int,
+    seed: int,
+    counts: list[int],
+    hidden: int,
+    topk: int,
+    num_experts: int,
+    fp8: bool,
+    holes: float,
+    alignment: int = 1,
+    worst: int = 0,
+    replay: bool = False,
+    bias: bool = False,
+) -> dict:
+    xs, idxs, ws = make_inputs(seed, counts, hidden, topk, num_experts, holes)
+    scales = None
+    if fp8:
+        cast = [reference.per_token_cast_to_fp8(x) for x in xs]
+        xs_in, scales = [c[0] for c in cast], [c[1] for c in cast]
+    else:
+        xs_in = xs
+    ref_layout = reference.get_dispatch_layout(idxs[rank], num_experts, R)
+    ref = reference.dispatch(xs_in, idxs, ws, num_experts, x_scales=scales, expert_alignment=alignment)
+    m = ref[rank].handle.num_recv_tokens
+
+    idx_t, w_t = to_torch(idxs[rank]), to_torch(ws[rank])
+    if fp8:
+        x_arg = (to_torch(xs_in[rank]).view(torch.float8_e4m3fn), to_torch(scales[rank]))
+    else:
+        x_arg = to_torch(xs[rank])
+    layout = buf.get_dispatch_layout(idx_t, num_experts)
+    same("num_tokens_per_rank", to_numpy(layout.num_tokens_per_rank), ref_layout.num_tokens_per_rank)
+    same("num_tokens_per_expert", to_numpy(layout.num_tokens_per_expert), ref_layout.num_tokens_per_expert)
+    same("is_token_in_rank", to_numpy(layout.is_token_in_rank), ref_layout.is_token_in_rank)
+
+    d = buf.dispatch(
+        x_arg, topk_idx=idx_t, topk_weights=w_t, layout=layout, expert_alignment=alignment, num_worst_tokens=worst
+    )
+    if replay:  # the same routing again from the handle, no layout pass
+        d = buf.dispatch(x_arg, topk_idx=idx_t, topk_weights=w_t, handle=d.handle)
+    rows = slice(0, m)
+    got_x = to_numpy(d.x)
+    same("recv_x", got_x[rows], ref[rank].x[rows])
+    if fp8:
+        same("recv_x_scales", to_numpy(d.x_scales)[rows], ref[rank].x_scales[rows])
+    same("recv_topk_idx", to_numpy(d.topk_idx)[rows], ref[rank].topk_idx[rows])
+    same("recv_topk_weights", to_numpy(d.topk_weights)[rows], ref[rank].topk_weights[rows])
+    if worst:
+        assert got_x.shape[0] == worst, (got_x.shape, worst)
+        same("padding topk_idx", to_numpy(d.topk_idx)[m:], np.full((worst - m, topk), -1, np.int64))
+    elif not replay:
+        assert d.num_recv_tokens_per_expert == list(ref[rank].num_recv_tokens_per_expert), (
+            d.num_recv_tokens_per_expert,
+            ref[rank].num_recv_tokens_per_expert,
+        )
+
+    # Combine: expert "outputs" = received rows scaled per rank, exactly representable in bf16 arithmetic.
+    ys = []
+    for r in range(R):
+        base = reference.fp8_to_float(ref[r].x, ref[r].x_scales) if fp8 else ref[r].x.astype(np.float32)
+        ys.append((base * (1.0 + 0.5 * r)).astype(BF16))
+    rows_total = d.handle.num_rows
+    y_local = np.zeros((rows_total, hidden), dtype=BF16)
+    y_local[:m] = ys[rank][:m]
+    biases = None
+    bias_t = None
+    if bias:
+        rng = np.random.default_rng(seed + 1)
+        biases = [
+            (
+                rng.standard_normal((n, hidden), dtype=np.float32).astype(BF16),
+                rng.standard_normal((n, hidden), dtype=np.float32).astype(BF16),
+            )
+            for n in counts
+        ]
+        bias_t = (to_torch(biases[rank][0]), to_torch(biases[rank][1]))
+    c = buf.combine(to_torch(y_local), d.handle, topk_weights=d.topk_weights, bias=bias_t)
+    c_ref = reference.combine(ys, [h.handle for h in ref], topk_weights=[h.topk_weights for h in ref], bias=biases)
+    same("combined_x", to_numpy(c.x), c_ref[rank].x)
+    same("combined_topk_weights", to_numpy(c.topk_weights), c_ref[rank].topk_weights)
+    return {"recv": m}
+
+
+def digest(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(to_numpy(t).tobytes())
+    return h.hexdigest()[:16]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--loops", type=int, default=200)
+    args = parser.parse_args()
+    group = epjit.init()
+    torch.cuda.set_device(group.device)
+    R, rank = group.size, group.rank
+    buf = epjit.Buffer(group, num_nvl_bytes=epjit.Buffer.get_normal_size_hint(R, 7168, 8, 256))
+    result: dict = {"rank": rank, "size": R, "cases": 0}
+    start = time.perf_counter()
+    try:
+        cases = []
+        for hidden in (2048, 4096, 7168):
+            for topk, experts in ((1, R), (4, 64), (8, 256)):
+                for fp8 in (False, True):
+                    cases.append(
+                        dict(
+                            counts=[0] + [127] * (R - 1),
+                            hidden=hidden,
+                            topk=topk,
+                            num_experts=experts,
+                            fp8=fp8,
+                            holes=0.2,
+                        )
+                    )
+        cases += [
+            dict(counts=[1] * R, hidden=4096, topk=8, num_experts=64, fp8=False, holes=0.0),
+            dict(
+                counts=[4096 - 7 * r for r in range(R)],
+                hidden=7168,
+                topk=8,
+                num_experts=256,
+                fp8=False,
+                holes=0.1,
+                bias=True,
+            ),
+            dict(counts=[4096] * R, hidden=7168, topk=8, num_experts=256, fp8=True, holes=0.0),
+            dict(
+                counts=[300, 0] + [17] * (R - 2),
+                hidden=2048,
+                topk=4,
+                num_experts=64,
+                fp8=False,
+                holes=0.3,
+                alignment=128,
+            ),
+            dict(counts=[200] * R, hidden=2048, topk=4, num_experts=64, fp8=False, holes=0.3, replay=True),
+            dict(counts=[150] * R, hidden=4096, topk=8, num_experts=256, fp8=True, holes=0.2, worst=150 * R),
+        ]
+        if args.quick:
+            cases = cases[::3] + cases[-6:]
+        for i, case in enumerate(cases):
+            try:
+                run_case(buf, rank, R, seed=1000 + i, **case)
+            except Mismatch as e:
+                raise Mismatch(f"case {i} {case}: {e}") from None
+            result["cases"] += 1
+
+        # Arguments that differ across ranks: refused on every rank, and the Buffer still works afterwards.
+        hidden = 2048 if rank == 0 else 4096
+        x = torch.randn(64, hidden, device="cuda").to(torch.bfloat16)
+        idx = torch.randint(0, 64, (64, 4), device="cuda")
+        try:
+            buf.dispatch(x, topk_idx=idx, num_experts=64)
+            result["mismatch_error"] = None
+        except epjit.ArgumentError as e:
+            result["mismatch_error"] = str(e)[:200]
+        run_case(buf, rank, R, seed=7, counts=[50] * R, hidden=2048, topk=4, num_experts=64, fp8=False, holes=0.1)
+
+        # Back-to-back dispatch + combine with fresh routings, twice with the same seeds: bit-identical.
+        runs = []
+        for _ in range(2):
+            h = hashlib.sha256()
+            for it in range(args.loops):
+                g = torch.Generator(device="cuda").manual_seed(it * 31 + rank)
+                n = 1 + (it * 37 + rank * 11) % 512
+                x = torch.randn(n, 4096, device="cuda", generator=g).to(torch.bfloat16)
+                idx = torch.randint(-1, 64, (n, 8), device="cuda", generator=g)
+                w = torch.rand(n, 8, device="cuda", generator=g)
+                d = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=64)
+                c = buf.combine(d.x, d.handle, topk_weights=d.topk_weights)
+                h.update(digest(d.x, d.topk_idx, c.x, c.topk_weights).encode())
+            runs.append(h.hexdigest()[:16])
+        result["loops_identical"] = runs[0] == runs[1]
+        result["loops"] = args.loops
+    finally:
+        buf.close()
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    print("RESULT " + json.dumps(result), flush=True)
+    group.close()
+    ok = result["loops_identical"] and result["mismatch_error"] and "hidden differs" in result["mismatch_error"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

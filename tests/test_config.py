@@ -1,0 +1,67 @@
+"""CPU tier: Config validation, the default configs and the NVLink size hints (host mirror of the kernel layout)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from epjit import ArgumentError, Config
+from epjit.config import COMBINE_READERS, get_combine_config, get_dispatch_config, normal_size_hint
+from epjit.jit.toolchain import CUDA_SRC
+from epjit.kernels.intranode import intranode_min_nvl_bytes, intranode_nvl_bytes
+
+
+def test_config_rejects_what_would_deadlock_or_not_launch():
+    with pytest.raises(ArgumentError, match="even number"):
+        Config(num_sms=23)
+    with pytest.raises(ArgumentError, match="nvl_chunk_send=0"):
+        Config(nvl_chunk_send=0)
+    with pytest.raises(ArgumentError, match=rf"nvl_chunk_recv=20 must be >= nvl_chunk_send \+ {COMBINE_READERS}"):
+        Config(24, 6, 20)
+    assert Config(24, 6, 6 + COMBINE_READERS).num_channels == 12
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_defaults_are_valid_and_share_channels(ranks):
+    d, c = get_dispatch_config(ranks), get_combine_config(ranks)
+    assert d.num_sms <= 24 and d.num_channels == c.num_channels
+
+
+def test_buffer_for_4096x7168_default_config_is_at_most_1_gib():
+    hint = normal_size_hint(4, 7168, 8, 256)
+    assert hint <= 1 << 30, hint
+    # The rings dominate: channels x ranks x slots x row bytes.
+    cfg = get_dispatch_config(4)
+    assert hint >= cfg.num_channels * 4 * cfg.nvl_chunk_recv * 7168 * 2
+
+
+def test_size_formula_matches_the_device_layout_regions():
+    """intranode_nvl_bytes must add exactly the regions IntranodeLayout's constructor advances over, in order."""
+    header = (CUDA_SRC / "intranode.cuh").read_text()
+    body = re.search(r"IntranodeLayout\(void\* payload.*?end = off;", header, re.S).group(0)
+    regions = re.findall(
+        r"^\s*(\w+) = (?:reinterpret_cast<[^>]+>\()?base \+ off\)?, off \+= align128\((.*)\);$", body, re.M
+    )
+    names = [name for name, _ in regions]
+    assert names == [
+        "dispatch_ctrl",
+        "combine_ctrl",
+        "counts",
+        "meta",
+        "ring_x",
+        "ring_src",
+        "ring_topk_idx",
+        "ring_topk_weights",
+        "ring_scales",
+        "expert_counts",
+    ]
+    # Evaluate the C expressions with Python for one set of sizes and compare with the Python mirror.
+    env = {"R": 4, "C": 12, "T": 256, "K": 8, "row_bytes": 7168 * 2, "num_scales": 56, "num_local_experts": 64}
+    total = sum((eval(expr, {}, env) + 127) // 128 * 128 for _, expr in regions)  # noqa: S307 - our own header
+    assert total == intranode_nvl_bytes(4, 12, 256, 7168, 8, 56, 64)
+
+
+def test_minimum_covers_control_words_counts_and_meta():
+    assert intranode_min_nvl_bytes(8, 64) == intranode_nvl_bytes(8, 64, 0, 0, 0, 0, 0)
+    assert intranode_min_nvl_bytes(8, 64) >= (6 * 64 * 8 + 8 * 8 + 8 * 4) * 4
