@@ -29,7 +29,9 @@ namespace epjit {
 constexpr int kStatusMetaMismatch = 1;   // hidden / num_experts / num_topk / flags differ across ranks
 constexpr int kStatusWorstTooSmall = 2;  // some rank would receive more rows than num_worst_tokens
 constexpr int kStatusLayoutTooBig = 4;   // some rank's layout does not fit its num_nvl_bytes
+constexpr int kStatusInvalidIds = 8;     // some rank's topk_idx has entries outside [-1, num_experts)
 constexpr int kMetaLayoutTooBig = 1 << 30;
+constexpr int kMetaInvalidIds = 1 << 29;
 
 __device__ __forceinline__ void channel_range(int num_tokens, int num_channels, int channel, int& begin, int& end) {
     const int per = (num_tokens + num_channels - 1) / num_channels;
@@ -81,8 +83,8 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
                                  const int* num_tokens_per_expert, const bool* is_token_in_rank, int num_tokens,
                                  int num_channels, int num_slots, int hidden, int num_topk, int num_scales,
                                  int num_experts, int flags, int expert_alignment, int num_worst_tokens, int cached,
-                                 int* rank_prefix_matrix, int* channel_prefix_matrix, int* host_out,
-                                 int* device_status) {
+                                 const int* invalid_ids, int* rank_prefix_matrix, int* channel_prefix_matrix,
+                                 int* host_out, int* device_status) {
     const int me = peers->nvl_rank;
     const int t = static_cast<int>(threadIdx.x);
     const int num_local_experts = num_experts / kNumRanks;
@@ -127,7 +129,8 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
         peer.meta[me * 4 + 0] = hidden;
         peer.meta[me * 4 + 1] = num_experts;
         peer.meta[me * 4 + 2] = num_topk;
-        peer.meta[me * 4 + 3] = flags | (fits ? 0 : kMetaLayoutTooBig);
+        const bool invalid = invalid_ids != nullptr && *invalid_ids != 0;
+        peer.meta[me * 4 + 3] = flags | (fits ? 0 : kMetaLayoutTooBig) | (invalid ? kMetaInvalidIds : 0);
     }
     // Pairs the count writes above with every peer's reads below (nvl_barrier_block fences and releases).
     nvl_barrier_block<kNumRanks>(peers, "intranode_notify: peer's counts and meta");
@@ -136,13 +139,15 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
     if (t == 0) status = 0;
     __syncthreads();
     if (t < kNumRanks) {
+        constexpr int kOwnBits = kMetaLayoutTooBig | kMetaInvalidIds;  // per-rank facts, not meant to agree
         bool same = true;
         for (int j = 0; j < 4; ++j) {
             host_out[2 + t * 4 + j] = mine.meta[t * 4 + j];
-            same = same && mine.meta[t * 4 + j] == mine.meta[me * 4 + j];
+            same = same && (mine.meta[t * 4 + j] & ~kOwnBits) == (mine.meta[me * 4 + j] & ~kOwnBits);
         }
         if (mine.meta[t * 4 + 3] & kMetaLayoutTooBig) atomicOr(&status, kStatusLayoutTooBig);
-        else if (!same) atomicOr(&status, kStatusMetaMismatch);
+        if (mine.meta[t * 4 + 3] & kMetaInvalidIds) atomicOr(&status, kStatusInvalidIds);
+        if (!same) atomicOr(&status, kStatusMetaMismatch);
         if (!cached) {
             // Column t of the counts matrix, prefix-summed over source ranks (DeepEP's rank_prefix_matrix).
             int sum = 0;
@@ -207,15 +212,14 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
             ptx::st_release_sys_s32(dst.finish(q), -finish - 1);
         }
         const int64_t lo = static_cast<int64_t>(peer) * num_local_experts, hi = lo + num_local_experts;
-        int tail = 0;
+        int tail = 0, head = 0;  // head: the receiver's, as last read (reading it crosses NVLink: only when full)
         for (int t = begin; t < end;) {
             // Room for a whole chunk: at most num_slots - num_max_send_tokens slots may be in use.
-            if (lane == 0) {
+            if (lane == 0 && tail - head > num_slots - num_max_send_tokens) {
                 timeout_while(peers, WaitSite{"intranode_dispatch sender: ring space (head)", peer_rank, channel,
                                               tail - num_slots + num_max_send_tokens},
                               [&](int64_t& seen) {
-                                  const int head = ptx::ld_acquire_sys_s32(dst.dispatch_head(q));
-                                  seen = head;
+                                  seen = head = ptx::ld_acquire_sys_s32(dst.dispatch_head(q));
                                   return tail - head > num_slots - num_max_send_tokens;
                               });
             }
@@ -356,14 +360,13 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
         const int first = recv_channel_offset[peer * num_channels + channel];
         const int last = channel + 1 < num_channels ? recv_channel_offset[peer * num_channels + channel + 1]
                                                     : rank_prefix_matrix[peer * kNumRanks + me];
-        int tail = 0;
+        int tail = 0, head = 0;
         for (int row = first; row < last;) {
-            if (lane == 0) {
+            if (lane == 0 && tail - head > num_slots - num_max_send_tokens) {
                 timeout_while(peers, WaitSite{"intranode_combine sender: ring space (head)", peer_rank, channel,
                                               tail - num_slots + num_max_send_tokens},
                               [&](int64_t& seen) {
-                                  const int head = ptx::ld_acquire_sys_s32(dst.combine_head(q));
-                                  seen = head;
+                                  seen = head = ptx::ld_acquire_sys_s32(dst.combine_head(q));
                                   return tail - head > num_slots - num_max_send_tokens;
                               });
             }

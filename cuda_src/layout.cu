@@ -5,6 +5,7 @@
 //                                  written when num_nvl_ranks < num_ranks
 //   num_tokens_per_expert [E]      top-k slots naming expert e (a repeated expert counts once per slot)
 //   is_token_in_rank [N, R]        bool
+//   invalid_ids [1]                top-k entries outside [-1, E): skipped here, reported by the next notify
 //
 // One thread per token; counts go to shared memory first (one atomic per token and target there) and to global
 // memory once per block, so the result is exact and independent of scheduling. The outputs must be zeroed.
@@ -14,7 +15,8 @@ namespace epjit {
 
 __global__ void dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts,
                                 int num_ranks, int num_nvl_ranks, int* num_tokens_per_rank,
-                                int* num_tokens_per_rdma_rank, int* num_tokens_per_expert, bool* is_token_in_rank) {
+                                int* num_tokens_per_rdma_rank, int* num_tokens_per_expert, bool* is_token_in_rank,
+                                int* invalid_ids) {
     extern __shared__ int shared_counts[];
     const int num_nodes = num_ranks / num_nvl_ranks;
     int* s_expert = shared_counts;
@@ -31,12 +33,13 @@ __global__ void dispatch_layout(const int64_t* topk_idx, int num_tokens, int num
         // A token's distinct ranks and nodes: top-k is small (<= 16), so a quadratic look-back is cheapest.
         for (int k = 0; k < num_topk; ++k) {
             const int64_t e = row[k];
-            if (e < 0) continue;
+            if (e < -1 || e >= num_experts) atomicAdd(invalid_ids, 1);
+            if (e < 0 || e >= num_experts) continue;
             atomicAdd(s_expert + e, 1);
             const int r = static_cast<int>(e) / experts_per_rank;
             bool seen_rank = false, seen_node = false;
             for (int j = 0; j < k; ++j) {
-                if (row[j] < 0) continue;
+                if (row[j] < 0 || row[j] >= num_experts) continue;
                 const int rj = static_cast<int>(row[j]) / experts_per_rank;
                 seen_rank |= rj == r;
                 seen_node |= rj / num_nvl_ranks == r / num_nvl_ranks;

@@ -137,6 +137,11 @@ def _bench_case(buf: Any, group: Any, dist: Any, mode: str, tokens: int, hidden:
         op = (lambda: buf.dispatch(x_arg, topk_idx=idx, topk_weights=w, layout=layout, config=cfg))  # noqa: E731
         out_rows = sum(send_counts) - send_counts[rank]
     t_epjit = _median_us(op, group, args.repeat)
+    if args.profile:
+        op()
+        prof = buf.profile()
+        if group.rank == 0:
+            print(f"  profile {mode} {tokens}x{hidden} sms={cfg.num_sms}: {prof}", flush=True)
 
     nccl_us = None
     if not args.no_nccl:
@@ -194,10 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--no-nccl", action="store_true")
     parser.add_argument("--json", help="write the rows here (rank 0)")
+    parser.add_argument("--profile", action="store_true", help="print where one call of each case spends its time")
     args = parser.parse_args(argv)
     if args.repeat < 20:
         parser.error("--repeat must be >= 20 (DESIGN.md's protocol)")
     start = time.time()
+    if args.profile:
+        os.environ["EPJIT_PROFILE"] = "1"
     rows = run(args)
     import epjit
 

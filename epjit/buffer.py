@@ -13,6 +13,7 @@ returns, so results are ready for whatever the caller runs next on it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,8 @@ from .kernels.intranode import NUM_THREADS, intranode_min_nvl_bytes
 from .memory import MappedHostArray, PeerMemory
 
 # Bits of the notify status (cuda_src/intranode.cu) and of the meta flags each rank announces.
-_STATUS_META_MISMATCH, _STATUS_WORST_TOO_SMALL, _STATUS_LAYOUT_TOO_BIG = 1, 2, 4
+_STATUS_META_MISMATCH, _STATUS_WORST_TOO_SMALL, _STATUS_LAYOUT_TOO_BIG, _STATUS_INVALID_IDS = 1, 2, 4, 8
+_META_INVALID_IDS, _META_LAYOUT_TOO_BIG = 1 << 29, 1 << 30
 _FLAG_FP8, _FLAG_WEIGHTS, _FLAG_TOPK = 1, 2, 4
 _META_NAMES = ("hidden", "num_experts", "num_topk", "flags")
 _MAX_CHANNELS = 64  # what every Buffer reserves control words for (num_sms <= 128)
@@ -39,6 +41,38 @@ def _cupy() -> Any:
     import cupy
 
     return cupy
+
+
+class _Profile:
+    """Host timestamps and stream events of the last call, when EPJIT_PROFILE=1 (off: every method is a no-op)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.marks: list[tuple[str, float, Any]] = []
+
+    def start(self) -> None:
+        if self.enabled:
+            self.marks = [("start", time.perf_counter(), None)]
+
+    def mark(self, name: str, stream: Any = None) -> None:
+        if self.enabled:
+            self.marks.append((name, time.perf_counter(), stream.record() if stream is not None else None))
+
+    def report(self) -> dict[str, float]:
+        """Microseconds: host time from the call's start to each mark, and GPU time between recorded events."""
+        out: dict[str, float] = {}
+        if not self.marks:
+            return out
+        t0 = self.marks[0][1]
+        last_event = None
+        for name, t, event in self.marks[1:]:
+            out[f"host:{name}"] = round((t - t0) * 1e6, 1)
+            if event is not None:
+                event.synchronize()
+                if last_event is not None:
+                    out[f"gpu:{name}"] = round(_cupy().cuda.get_elapsed_time(last_event, event) * 1e3, 1)
+                last_event = event
+        return out
 
 
 class Event:
@@ -64,6 +98,9 @@ class DispatchLayout:
     num_tokens_per_expert: Any  # [E] int32
     is_token_in_rank: Any  # [N, R] bool
     event: Event | None = None
+    # [1] int32 on the GPU: top-k entries outside [-1, E) the layout kernel skipped; the next dispatch's notify
+    # reports them on every rank (no host synchronisation here, so the layout can be captured in a CUDA graph).
+    invalid_ids: Any = field(default=None, repr=False)
 
 
 @dataclass
@@ -150,6 +187,11 @@ class Buffer:
             self.mem.close()
             raise
         self._closed = False
+        self._profile = _Profile(settings().profile)
+
+    def profile(self) -> dict[str, float]:
+        """Where the last dispatch/combine spent its time (needs EPJIT_PROFILE=1; waits for that call's work)."""
+        return self._profile.report()
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
@@ -235,9 +277,13 @@ class Buffer:
         if status & _STATUS_LAYOUT_TOO_BIG:
             problems.append(f"the call's rings do not fit num_nvl_bytes={self.num_nvl_bytes} on some rank "
                             "(a larger Buffer or smaller Config.nvl_chunk_recv / num_sms)")
+        if status & _STATUS_INVALID_IDS:
+            ranks = [i for i in range(r) if meta[i, 3] & _META_INVALID_IDS]
+            problems.append(f"topk_idx has entries outside [-1, num_experts={int(meta[ranks[0], 1])}) on rank(s) "
+                            f"{', '.join(map(str, ranks))}")
         if status & _STATUS_META_MISMATCH:
             for j, name in enumerate(_META_NAMES):
-                column = meta[:, j] & ~(1 << 30)
+                column = meta[:, j] & ~(_META_INVALID_IDS | _META_LAYOUT_TOO_BIG)
                 if len(set(column.tolist())) > 1:
                     values = ", ".join(f"rank {i}: {self._describe_meta(name, int(v))}" for i, v in enumerate(column))
                     problems.append(f"{name} differs across ranks: {values}")
@@ -275,24 +321,24 @@ class Buffer:
         info = arrays.check(topk_idx, "topk_idx", dtype="int64", ndim=2, device=self.group.device)
         num_experts = self._check_num_experts(num_experts)
         idx = arrays.to_cupy(topk_idx, "topk_idx")
-        self._check_expert_range(idx, num_experts)
         num_tokens, num_topk = info.shape
         caller = self._begin(previous_event)
         with self.comm_stream:
             per_rank = cupy.zeros(self.num_ranks, dtype=cupy.int32)
             per_expert = cupy.zeros(num_experts, dtype=cupy.int32)
             in_rank = cupy.zeros((num_tokens, self.num_ranks), dtype=cupy.bool_)
+            invalid = cupy.zeros(1, dtype=cupy.int32)
             if num_tokens:
                 block = 256
                 shared = 4 * (num_experts + 2 * self.num_ranks)
                 self._layout_module.launch("dispatch_layout", (num_tokens + block - 1) // block, block, idx,
                                            num_tokens, num_topk, num_experts, self.num_ranks, self.num_ranks,
-                                           per_rank, None, per_expert, in_rank, shared_mem=shared,
+                                           per_rank, None, per_expert, in_rank, invalid, shared_mem=shared,
                                            stream=self.comm_stream)
         event = self._finish(caller, async_finish)
         fw = info.framework
         return DispatchLayout(arrays.from_cupy(per_rank, fw), None, arrays.from_cupy(per_expert, fw),
-                              arrays.from_cupy(in_rank, fw), event)
+                              arrays.from_cupy(in_rank, fw), event, invalid_ids=invalid)
 
     def _check_num_experts(self, num_experts: int) -> int:
         if not isinstance(num_experts, (int, np.integer)) or num_experts <= 0:
@@ -301,16 +347,6 @@ class Buffer:
             raise ArgumentError(with_rank(f"num_experts={num_experts} is not divisible by the {self.num_ranks} "
                                           "ranks (each rank owns num_experts / ranks experts)"))
         return int(num_experts)
-
-    def _check_expert_range(self, idx: Any, num_experts: int) -> None:
-        """topk_idx must lie in [-1, num_experts): one small reduction and a host read (skipped under capture)."""
-        cupy = _cupy()
-        if idx.size == 0 or cupy.cuda.get_current_stream().is_capturing():
-            return
-        lo, hi = (int(v) for v in cupy.stack([idx.min(), idx.max()]).get())
-        if lo < -1 or hi >= num_experts:
-            raise ArgumentError(with_rank(f"topk_idx has values in [{lo}, {hi + 1}) but must be in [-1, "
-                                          f"{num_experts}) for num_experts={num_experts}"))
 
     # ------------------------------------------------------------------------------------------------ dispatch
 
@@ -326,6 +362,7 @@ class Buffer:
         """
         self._check_open()
         self._check_pending()
+        self._profile.start()
         cupy = _cupy()
         dev = self.group.device
         # ---- validate everything before any kernel runs
@@ -404,8 +441,6 @@ class Buffer:
             arrays.check(layout.is_token_in_rank, "layout.is_token_in_rank", dtype="bool",
                          shape=(("N", num_tokens), self.num_ranks), shape_note="with N matching x", device=dev)
             num_experts_ = self._check_num_experts(e_info.shape[0])
-            if idx_arr is not None:
-                self._check_expert_range(idx_arr, num_experts_)
         if config.nvl_bytes(self.num_ranks, hidden, num_topk, num_experts_, fp8) > self.num_nvl_bytes:
             # Every rank computes the same need from the same (checked-in-notify) sizes, so all raise together
             # when the sizes agree; when they do not, notify reports the mismatch on every rank.
@@ -421,6 +456,7 @@ class Buffer:
         r = self.num_ranks
         host = self._host_buffer(num_experts_)
         caller = self._begin(previous_event)
+        self._profile.mark("validated", self.comm_stream)
         with self.comm_stream:
             if handle is None:
                 in_rank = arrays.to_cupy(layout.is_token_in_rank, "layout.is_token_in_rank")
@@ -428,16 +464,18 @@ class Buffer:
                 channel_prefix = cupy.empty((r, num_channels), dtype=cupy.int32)
                 per_rank = arrays.to_cupy(layout.num_tokens_per_rank, "layout.num_tokens_per_rank")
                 per_expert = arrays.to_cupy(layout.num_tokens_per_expert, "layout.num_tokens_per_expert")
+                invalid = layout.invalid_ids
             else:
                 in_rank, rank_prefix, channel_prefix = (handle.is_token_in_rank, handle.rank_prefix_matrix,
                                                         handle.channel_prefix_matrix)
-                per_rank = per_expert = None
+                per_rank = per_expert = invalid = None
             host.view(np.int32)[:2] = (-1, 0)
             self._notify_module.launch(
                 "intranode_notify", 1 + r, 128, self.mem.table_ptr, per_rank, per_expert, in_rank, num_tokens,
                 num_channels, config.nvl_chunk_recv, hidden, num_topk, num_scales, num_experts_, flags,
-                expert_alignment, num_worst_tokens, int(handle is not None), rank_prefix, channel_prefix,
+                expert_alignment, num_worst_tokens, int(handle is not None), invalid, rank_prefix, channel_prefix,
                 host.device_ptr, self._device_status, stream=self.comm_stream)
+            self._profile.mark("notify", self.comm_stream)
             if num_worst_tokens > 0:
                 num_rows, num_recv, per_expert_counts = num_worst_tokens, -1, []
             else:
@@ -454,6 +492,7 @@ class Buffer:
                 else:
                     lo = 2 + 5 * r
                     per_expert_counts = [int(v) for v in ints[lo:lo + num_experts_ // r]]
+                self._profile.mark("host_synced")
 
             # ---- outputs (on the caller's side of the allocator: they are the caller's arrays)
             recv_x = self._empty((num_rows, hidden), cupy.uint8 if fp8 else x_arr.dtype)
@@ -463,12 +502,14 @@ class Buffer:
             recv_w = self._empty((num_rows, num_topk), cupy.float32) if w_arr is not None else None
             recv_channel_offset = cupy.empty((r, num_channels), dtype=cupy.int32)
             send_head = cupy.empty((num_tokens, r), dtype=cupy.int32)
+            self._profile.mark("allocated", self.comm_stream)
             self._main_module.launch(
                 "intranode_dispatch", 2 * num_channels, NUM_THREADS, self.mem.table_ptr, x_arr, scales_arr, idx_arr,
                 w_arr, in_rank, channel_prefix, rank_prefix, self._device_status, recv_x, recv_scales, recv_src,
                 recv_idx, recv_w, recv_channel_offset, send_head, num_tokens, hidden,
                 hidden * x_arr.dtype.itemsize // 16, num_scales, num_topk, num_experts_, num_channels,
                 config.nvl_chunk_recv, config.nvl_chunk_send, num_worst_tokens, stream=self.comm_stream)
+            self._profile.mark("dispatch", self.comm_stream)
         event = self._finish(caller, async_finish)
         if num_worst_tokens > 0:
             self._pending_status = (event, num_worst_tokens)
@@ -476,12 +517,14 @@ class Buffer:
                                     num_tokens, num_recv, num_rows, num_channels, hidden, num_topk, num_experts_,
                                     buffer_id=id(self))
         fw = x_info.framework
-        return DispatchResult(
+        result = DispatchResult(
             x=arrays.from_cupy(recv_x, fw, dtype="float8_e4m3fn" if fp8 else None, name="recv_x"),
             x_scales=arrays.from_cupy(recv_scales, fw) if fp8 else None,
             topk_idx=arrays.from_cupy(recv_idx, fw) if recv_idx is not None else None,
             topk_weights=arrays.from_cupy(recv_w, fw) if recv_w is not None else None,
             num_recv_tokens_per_expert=per_expert_counts, handle=new_handle, event=event)
+        self._profile.mark("returned")
+        return result
 
     # ------------------------------------------------------------------------------------------------ combine
 
@@ -491,6 +534,7 @@ class Buffer:
         """For each original token, the sum of the rows the ranks send back for it (+ bias): dispatch's adjoint."""
         self._check_open()
         self._check_pending()
+        self._profile.start()
         cupy = _cupy()
         dev = self.group.device
         if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
@@ -524,21 +568,26 @@ class Buffer:
             raise ArgumentError(with_rank(f"this combine needs {need} bytes of NVLink buffer but the Buffer has "
                                           f"{self.num_nvl_bytes}: use Buffer.get_normal_size_hint(...)"))
         caller = self._begin(previous_event)
+        self._profile.mark("validated", self.comm_stream)
         with self.comm_stream:
             out = self._empty((handle.num_tokens, handle.hidden), y_arr.dtype)
             out_w = self._empty((handle.num_tokens, handle.num_topk), cupy.float32) if w_arr is not None else None
             self._notify_module.launch("intranode_combine_prepare", 1, 128, self.mem.table_ptr, handle.num_channels,
                                        stream=self.comm_stream)
+            self._profile.mark("prepare", self.comm_stream)
             self._main_module.launch(
                 "intranode_combine", 2 * handle.num_channels, NUM_THREADS, self.mem.table_ptr, y_arr, w_arr,
                 biases[0] if biases else None, biases[1] if len(biases) > 1 else None, handle.rank_prefix_matrix,
                 handle.recv_channel_offset, handle.send_head, out, out_w, handle.num_tokens, handle.hidden,
                 handle.num_topk, handle.num_channels, config.nvl_chunk_recv, config.nvl_chunk_send,
                 stream=self.comm_stream)
+            self._profile.mark("combine", self.comm_stream)
         event = self._finish(caller, async_finish)
         fw = y_info.framework
-        return CombineResult(arrays.from_cupy(out, fw, name="combined_x"),
-                             arrays.from_cupy(out_w, fw) if out_w is not None else None, event)
+        result = CombineResult(arrays.from_cupy(out, fw, name="combined_x"),
+                               arrays.from_cupy(out_w, fw) if out_w is not None else None, event)
+        self._profile.mark("returned")
+        return result
 
     # ------------------------------------------------------------------------------------------------ misc
 

@@ -38,6 +38,7 @@ class Settings:
     log: str
     arch: str | None
     poison_outputs: bool
+    profile: bool
     collective_timeout_s: float | None = None
 
 
@@ -55,6 +56,8 @@ def settings() -> Settings:
         # Debugging and tests: fill every output with garbage before a kernel writes it, so a row the kernel
         # forgets shows up instead of reading as the zeros a fresh allocation happened to hold.
         poison_outputs=os.environ.get("EPJIT_POISON_OUTPUTS", "0") not in ("", "0"),
+        # Record where the time of each Buffer call goes (host phases and kernel events); Buffer.profile() reads it.
+        profile=os.environ.get("EPJIT_PROFILE", "0") not in ("", "0"),
         # How long a host-side collective (allgather/bcast/barrier of epjit.Group) may wait for the other ranks
         # before it raises CollectiveError. Unset: wait for ever (ranks may legitimately wait minutes while one
         # of them compiles; the launcher or mpirun ends the job when a rank dies).

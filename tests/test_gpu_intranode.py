@@ -21,4 +21,5 @@ def test_intranode_against_reference(n):
     for r in results:
         assert r["loops_identical"], r
         assert "hidden differs across ranks" in r["mismatch_error"], r
+        assert f"outside [-1, num_experts=64) on rank(s) {n - 1}" in r["invalid_ids_error"], r
     print("\n".join(str(r) for r in results))

@@ -20,7 +20,8 @@ class LayoutSpec(KernelSpec):
         "dispatch_layout": (("topk_idx", "const int64_t*"), ("num_tokens", "int"), ("num_topk", "int"),
                             ("num_experts", "int"), ("num_ranks", "int"), ("num_nvl_ranks", "int"),
                             ("num_tokens_per_rank", "int*"), ("num_tokens_per_rdma_rank", "int*"),
-                            ("num_tokens_per_expert", "int*"), ("is_token_in_rank", "bool*")),
+                            ("num_tokens_per_expert", "int*"), ("is_token_in_rank", "bool*"),
+                            ("invalid_ids", "int*")),
     }
 
 
@@ -34,7 +35,8 @@ class IntranodeNotifySpec(KernelSpec):
                              ("is_token_in_rank", "const bool*"), ("num_tokens", "int"), ("num_channels", "int"),
                              ("num_slots", "int"), ("hidden", "int"), ("num_topk", "int"), ("num_scales", "int"),
                              ("num_experts", "int"), ("flags", "int"), ("expert_alignment", "int"),
-                             ("num_worst_tokens", "int"), ("cached", "int"), ("rank_prefix_matrix", "int*"),
+                             ("num_worst_tokens", "int"), ("cached", "int"), ("invalid_ids", "const int*"),
+                             ("rank_prefix_matrix", "int*"),
                              ("channel_prefix_matrix", "int*"), ("host_out", "int*"), ("device_status", "int*")),
         "intranode_combine_prepare": (PEERS, ("num_channels", "int")),
     }

@@ -232,6 +232,17 @@ def main() -> int:
             result["mismatch_error"] = str(e)[:200]
         run_case(buf, rank, R, seed=7, counts=[50] * R, hidden=2048, topk=4, num_experts=64, fp8=False, holes=0.1)
 
+        # An expert id out of range on one rank: caught by the layout kernel, refused by notify on every rank.
+        idx = torch.randint(0, 64, (64, 4), device="cuda")
+        if rank == R - 1:
+            idx[5, 2] = 64
+        x = torch.randn(64, 2048, device="cuda").to(torch.bfloat16)
+        try:
+            buf.dispatch(x, topk_idx=idx, layout=buf.get_dispatch_layout(idx, 64))
+            result["invalid_ids_error"] = None
+        except epjit.ArgumentError as e:
+            result["invalid_ids_error"] = str(e)[:200]
+
         # Back-to-back dispatch + combine with fresh routings, twice with the same seeds: bit-identical.
         runs = []
         for _ in range(2):
@@ -253,7 +264,8 @@ def main() -> int:
     result["seconds"] = round(time.perf_counter() - start, 1)
     print("RESULT " + json.dumps(result), flush=True)
     group.close()
-    ok = result["loops_identical"] and result["mismatch_error"] and "hidden differs" in result["mismatch_error"]
+    ok = (result["loops_identical"] and "hidden differs" in (result["mismatch_error"] or "")
+          and f"outside [-1, num_experts=64) on rank(s) {R - 1}" in (result["invalid_ids_error"] or ""))
     return 0 if ok else 1
 
 
