@@ -43,36 +43,29 @@ __device__ __forceinline__ float ld_volatile_f32(const float* p) {
     return __int_as_float(ptx::ld_volatile_s32(reinterpret_cast<const int*>(p)));
 }
 
-// n int4 from src (read-only during the kernel) to dst with one warp, four 16-byte loads in flight per lane.
-__device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int lane) {
+// n int4 from src to dst with one warp, kInFlight 16-byte loads per lane issued before their stores: bytes in
+// flight are what keeps NVLink busy (one warp: 32 x 16 x kInFlight bytes). Load is the (read-only or
+// ring) load wrapper: `.nc` for inputs nobody writes during the kernel, volatile for ring slots a peer wrote.
+template <int kInFlight, typename Load>
+__device__ __forceinline__ void warp_copy_with(int4* dst, const int4* src, int n, int lane, Load load) {
     int i = lane;
-    for (; i + 96 < n; i += 128) {
-        const int4 a = ptx::ld_global_nc_L1_no_allocate_v4(src + i);
-        const int4 b = ptx::ld_global_nc_L1_no_allocate_v4(src + i + 32);
-        const int4 c = ptx::ld_global_nc_L1_no_allocate_v4(src + i + 64);
-        const int4 d = ptx::ld_global_nc_L1_no_allocate_v4(src + i + 96);
-        ptx::st_global_L1_no_allocate_v4(dst + i, a);
-        ptx::st_global_L1_no_allocate_v4(dst + i + 32, b);
-        ptx::st_global_L1_no_allocate_v4(dst + i + 64, c);
-        ptx::st_global_L1_no_allocate_v4(dst + i + 96, d);
+    for (; i + 32 * (kInFlight - 1) < n; i += 32 * kInFlight) {
+        int4 v[kInFlight];
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j) v[j] = load(src + i + 32 * j);
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j) ptx::st_global_L1_no_allocate_v4(dst + i + 32 * j, v[j]);
     }
-    for (; i < n; i += 32) ptx::st_global_L1_no_allocate_v4(dst + i, ptx::ld_global_nc_L1_no_allocate_v4(src + i));
+    for (; i < n; i += 32) ptx::st_global_L1_no_allocate_v4(dst + i, load(src + i));
 }
 
-// The same from a ring slot another GPU wrote during this kernel: the non-coherent path must not serve it.
+__device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int lane) {
+    warp_copy_with<8>(dst, src, n, lane, [](const int4* p) { return ptx::ld_global_nc_L1_no_allocate_v4(p); });
+}
+
+// From a ring slot another GPU wrote during this kernel: the non-coherent path must not serve it.
 __device__ __forceinline__ void warp_copy_from_ring(int4* dst, const int4* src, int n, int lane) {
-    int i = lane;
-    for (; i + 96 < n; i += 128) {
-        const int4 a = ptx::ld_volatile_global_v4(src + i);
-        const int4 b = ptx::ld_volatile_global_v4(src + i + 32);
-        const int4 c = ptx::ld_volatile_global_v4(src + i + 64);
-        const int4 d = ptx::ld_volatile_global_v4(src + i + 96);
-        ptx::st_global_L1_no_allocate_v4(dst + i, a);
-        ptx::st_global_L1_no_allocate_v4(dst + i + 32, b);
-        ptx::st_global_L1_no_allocate_v4(dst + i + 64, c);
-        ptx::st_global_L1_no_allocate_v4(dst + i + 96, d);
-    }
-    for (; i < n; i += 32) ptx::st_global_L1_no_allocate_v4(dst + i, ptx::ld_volatile_global_v4(src + i));
+    warp_copy_with<8>(dst, src, n, lane, [](const int4* p) { return ptx::ld_volatile_global_v4(p); });
 }
 
 // Host-mapped ints notify fills (host_out), read by the host after it synchronises the stream:
@@ -434,14 +427,31 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
             const int e = __shfl_sync(0xffffffffu, expected, r);
             slot[r] = e >= 0 ? e % num_slots : -1;
         }
-        for (int i = lane; i < row_int4; i += 32) {
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            if (bias0 != nullptr) add_bf16x8(acc, bias0[static_cast<int64_t>(t) * row_int4 + i]);
-            if (bias1 != nullptr) add_bf16x8(acc, bias1[static_cast<int64_t>(t) * row_int4 + i]);
+        // kUnroll int4 columns per lane at once, every rank's row loaded before any add: kUnroll x R loads in
+        // flight per lane (one column at a time left each lane waiting a full memory latency per load pair).
+        constexpr int kUnroll = kNumRanks >= 8 ? 1 : 8 / kNumRanks;
+        for (int i0 = lane; i0 < row_int4; i0 += 32 * kUnroll) {
+            int4 v[kUnroll][kNumRanks];
 #pragma unroll
-            for (int r = 0; r < kNumRanks; ++r)
-                if (slot[r] >= 0) add_bf16x8(acc, ptx::ld_volatile_global_v4(mine.x_slot(mine.queue(channel, r), slot[r]) + i));
-            ptx::st_global_L1_no_allocate_v4(out_x + static_cast<int64_t>(t) * row_int4 + i, pack_bf16x8(acc));
+            for (int u = 0; u < kUnroll; ++u) {
+                const int i = i0 + 32 * u;
+#pragma unroll
+                for (int r = 0; r < kNumRanks; ++r)
+                    if (i < row_int4 && slot[r] >= 0)
+                        v[u][r] = ptx::ld_volatile_global_v4(mine.x_slot(mine.queue(channel, r), slot[r]) + i);
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                const int i = i0 + 32 * u;
+                if (i >= row_int4) break;
+                float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                if (bias0 != nullptr) add_bf16x8(acc, bias0[static_cast<int64_t>(t) * row_int4 + i]);
+                if (bias1 != nullptr) add_bf16x8(acc, bias1[static_cast<int64_t>(t) * row_int4 + i]);
+#pragma unroll
+                for (int r = 0; r < kNumRanks; ++r)
+                    if (slot[r] >= 0) add_bf16x8(acc, v[u][r]);
+                ptx::st_global_L1_no_allocate_v4(out_x + static_cast<int64_t>(t) * row_int4 + i, pack_bf16x8(acc));
+            }
         }
         if (out_topk_weights != nullptr && lane < num_topk) {
             float w = 0.0f;

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     import torch.distributed as dist
 
     import epjit
-    from epjit.config import Config
+    from epjit.config import Config, get_dispatch_config
 
     group = epjit.init()
     torch.cuda.set_device(group.device)
@@ -91,14 +91,15 @@ def run(args: argparse.Namespace) -> list[Row]:
                             world_size=group.size, device_id=torch.device("cuda", group.device))
     r = group.size
     hint = epjit.Buffer.get_normal_size_hint(r, max(args.hidden), args.topk, args.experts,
-                                             Config(max(args.sms), args.chunk_send, args.chunk_recv))
+                                             Config(max(args.sms), 1, args.chunk_recv))
     buf = epjit.Buffer(group, num_nvl_bytes=hint)
     rows: list[Row] = []
     try:
         for hidden in args.hidden:
             for tokens in args.tokens:
                 for sms in args.sms:
-                    cfg = Config(sms, args.chunk_send, args.chunk_recv)
+                    chunk = args.chunk_send or get_dispatch_config(group.size).nvl_chunk_send
+                    cfg = Config(sms, chunk, args.chunk_recv)
                     for mode in args.modes:
                         rows.append(_bench_case(buf, group, dist, mode, tokens, hidden, args, cfg))
                         if group.rank == 0:
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--sms", type=int, nargs="+", default=[24])
-    parser.add_argument("--chunk-send", type=int, default=6)
+    parser.add_argument("--chunk-send", type=int, default=0, help="tokens between tail updates (0: the default)")
     parser.add_argument("--chunk-recv", type=int, default=256)
     parser.add_argument("--modes", nargs="+", default=["dispatch", "dispatch-fp8", "combine"],
                         choices=["dispatch", "dispatch-fp8", "combine"])

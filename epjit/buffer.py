@@ -101,6 +101,8 @@ class DispatchLayout:
     # [1] int32 on the GPU: top-k entries outside [-1, E) the layout kernel skipped; the next dispatch's notify
     # reports them on every rank (no host synchronisation here, so the layout can be captured in a CUDA graph).
     invalid_ids: Any = field(default=None, repr=False)
+    # The CuPy arrays behind the four above when get_dispatch_layout made them: dispatch skips re-importing them.
+    cupy_arrays: tuple[Any, ...] | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -187,7 +189,8 @@ class Buffer:
             self.mem.close()
             raise
         self._closed = False
-        self._profile = _Profile(settings().profile)
+        self._settings = settings()  # read once: the environment is not re-read on the hot path
+        self._profile = _Profile(self._settings.profile)
 
     def profile(self) -> dict[str, float]:
         """Where the last dispatch/combine spent its time (needs EPJIT_PROFILE=1; waits for that call's work)."""
@@ -261,7 +264,7 @@ class Buffer:
     def _empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
         cupy = _cupy()
         out = cupy.empty(shape, dtype=dtype)
-        if settings().poison_outputs and out.size:
+        if self._settings.poison_outputs and out.size:
             out.view(cupy.uint8).fill(_POISON_BYTE)
         return out
 
@@ -337,8 +340,27 @@ class Buffer:
                                            stream=self.comm_stream)
         event = self._finish(caller, async_finish)
         fw = info.framework
-        return DispatchLayout(arrays.from_cupy(per_rank, fw), None, arrays.from_cupy(per_expert, fw),
-                              arrays.from_cupy(in_rank, fw), event, invalid_ids=invalid)
+        layout = DispatchLayout(arrays.from_cupy(per_rank, fw), None, arrays.from_cupy(per_expert, fw),
+                                arrays.from_cupy(in_rank, fw), event, invalid_ids=invalid)
+        layout.cupy_arrays = (layout.num_tokens_per_rank, layout.num_tokens_per_expert, layout.is_token_in_rank,
+                              per_rank, per_expert, in_rank)
+        return layout
+
+    def _layout_arrays(self, layout: DispatchLayout, num_tokens: int) -> tuple[Any, Any, Any]:
+        """CuPy views of a layout's arrays, validated (or taken as made, if get_dispatch_layout made them)."""
+        made = layout.cupy_arrays
+        if made is not None and made[0] is layout.num_tokens_per_rank and made[1] is layout.num_tokens_per_expert \
+                and made[2] is layout.is_token_in_rank and made[5].shape[0] == num_tokens:
+            return made[3], made[4], made[5]
+        dev = self.group.device
+        arrays.check(layout.num_tokens_per_rank, "layout.num_tokens_per_rank", dtype="int32",
+                     shape=(self.num_ranks,), device=dev)
+        arrays.check(layout.num_tokens_per_expert, "layout.num_tokens_per_expert", dtype="int32", ndim=1, device=dev)
+        arrays.check(layout.is_token_in_rank, "layout.is_token_in_rank", dtype="bool",
+                     shape=(("N", num_tokens), self.num_ranks), shape_note="with N matching x", device=dev)
+        return (arrays.to_cupy(layout.num_tokens_per_rank, "layout.num_tokens_per_rank"),
+                arrays.to_cupy(layout.num_tokens_per_expert, "layout.num_tokens_per_expert"),
+                arrays.to_cupy(layout.is_token_in_rank, "layout.is_token_in_rank"))
 
     def _check_num_experts(self, num_experts: int) -> int:
         if not isinstance(num_experts, (int, np.integer)) or num_experts <= 0:
@@ -434,13 +456,8 @@ class Buffer:
                 layout = self.get_dispatch_layout(topk_idx, ne)
             elif not isinstance(layout, DispatchLayout):
                 raise ArgumentTypeError(with_rank(f"layout must be a DispatchLayout, got {type(layout).__name__}"))
-            arrays.check(layout.num_tokens_per_rank, "layout.num_tokens_per_rank", dtype="int32",
-                         shape=(self.num_ranks,), device=dev)
-            e_info = arrays.check(layout.num_tokens_per_expert, "layout.num_tokens_per_expert", dtype="int32",
-                                  ndim=1, device=dev)
-            arrays.check(layout.is_token_in_rank, "layout.is_token_in_rank", dtype="bool",
-                         shape=(("N", num_tokens), self.num_ranks), shape_note="with N matching x", device=dev)
-            num_experts_ = self._check_num_experts(e_info.shape[0])
+            layout_cupy = self._layout_arrays(layout, num_tokens)
+            num_experts_ = self._check_num_experts(int(layout_cupy[1].shape[0]))
         if config.nvl_bytes(self.num_ranks, hidden, num_topk, num_experts_, fp8) > self.num_nvl_bytes:
             # Every rank computes the same need from the same (checked-in-notify) sizes, so all raise together
             # when the sizes agree; when they do not, notify reports the mismatch on every rank.
@@ -459,11 +476,9 @@ class Buffer:
         self._profile.mark("validated", self.comm_stream)
         with self.comm_stream:
             if handle is None:
-                in_rank = arrays.to_cupy(layout.is_token_in_rank, "layout.is_token_in_rank")
+                per_rank, per_expert, in_rank = layout_cupy
                 rank_prefix = cupy.empty((r, r), dtype=cupy.int32)
                 channel_prefix = cupy.empty((r, num_channels), dtype=cupy.int32)
-                per_rank = arrays.to_cupy(layout.num_tokens_per_rank, "layout.num_tokens_per_rank")
-                per_expert = arrays.to_cupy(layout.num_tokens_per_expert, "layout.num_tokens_per_expert")
                 invalid = layout.invalid_ids
             else:
                 in_rank, rank_prefix, channel_prefix = (handle.is_token_in_rank, handle.rank_prefix_matrix,

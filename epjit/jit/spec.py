@@ -74,12 +74,53 @@ class KernelSpec:
 
     def pack(self, kernel: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """Cast each argument to the exact C type of the kernel's parameter (arrays pass as pointers)."""
-        signature = self.KERNELS[kernel]
-        if len(args) != len(signature):
-            names = ", ".join(n for n, _ in signature)
-            raise TypeError(f"{kernel} takes {len(signature)} arguments ({names}), got {len(args)}")
-        pairs = zip(signature, args, strict=True)
-        return tuple(_pack_one(kernel, name, ctype, value) for (name, ctype), value in pairs)
+        converters = _converters(type(self), kernel)
+        if len(args) != len(converters):
+            names = ", ".join(n for n, _ in self.KERNELS[kernel])
+            raise TypeError(f"{kernel} takes {len(converters)} arguments ({names}), got {len(args)}")
+        return tuple(convert(value) for convert, value in zip(converters, args, strict=True))
+
+
+_CONVERTERS: dict[tuple[type, str], list[Any]] = {}
+
+
+def _converters(spec_type: type, kernel: str) -> list[Any]:
+    """One converter per parameter, built once per (spec class, kernel): packing sits on every launch's path."""
+    key = (spec_type, kernel)
+    found = _CONVERTERS.get(key)
+    if found is None:
+        found = [_converter(kernel, name, ctype) for name, ctype in spec_type.KERNELS[kernel]]
+        _CONVERTERS[key] = found
+    return found
+
+
+def _converter(kernel: str, name: str, ctype: str) -> Any:
+    def convert(value: Any) -> Any:
+        return _pack_one(kernel, name, ctype, value)
+
+    if ctype.endswith("*"):
+        null = np.uint64(0)
+
+        def convert_ptr(value: Any) -> Any:
+            if value is None:
+                return null
+            if type(value).__name__ == "ndarray" and hasattr(value, "data"):  # cupy.ndarray: passed as its pointer
+                return value
+            return _pack_one(kernel, name, ctype, value)
+
+        return convert_ptr
+    scalar = SCALAR_TYPES.get(ctype)
+    if scalar is None or not np.issubdtype(scalar, np.integer):
+        return convert
+    info = np.iinfo(scalar)
+    lo, hi = int(info.min), int(info.max)
+
+    def convert_int(value: Any) -> Any:
+        if type(value) is int and lo <= value <= hi:  # the common case, without the checks' cost
+            return scalar(value)
+        return _pack_one(kernel, name, ctype, value)
+
+    return convert_int
 
 
 def _pack_one(kernel: str, name: str, ctype: str, value: Any) -> Any:
