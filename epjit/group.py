@@ -527,7 +527,26 @@ def _mpi_transport(comm: Any, environ: Mapping[str, str], timeout: float | None)
     except MPI.Exception as e:
         raise CollectiveError(f"init failed: MPI could not split the communicator by host: {e}") from None
     placement = _Placement(dup.Get_rank(), dup.Get_size(), local_rank, local_size, node_key)
+    if dup.Get_size() > 1:
+        _abort_job_on_uncaught_exception(MPI)
     return _MpiTransport(MPI, dup, timeout), placement, base
+
+
+def _abort_job_on_uncaught_exception(mpi: Any) -> None:
+    """What ``python -m mpi4py`` does: a rank dying of an exception aborts the whole job. Without it the rank
+    blocks in MPI_Finalize at exit and every other rank waits for it forever."""
+    previous = sys.excepthook
+    if getattr(previous, "epjit_aborts", False):
+        return
+
+    def hook(exc_type: Any, exc: Any, tb: Any) -> None:
+        previous(exc_type, exc, tb)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        mpi.COMM_WORLD.Abort(1)
+
+    hook.epjit_aborts = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import re
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
@@ -269,6 +270,15 @@ def test_init_with_a_sub_communicator():
     res = _mpi(4, "scenarios.py", "mpi_split")
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("SPLIT OK") == 4, res.stdout
+
+
+def test_an_uncaught_exception_aborts_the_mpi_job():
+    # Without the abort hook the dying rank blocks in MPI_Finalize and the job hangs until run()'s timeout.
+    start = time.monotonic()
+    res = _mpi(2, "scenarios.py", "raises")
+    assert res.returncode != 0, res.stdout + res.stderr
+    assert "this rank dies on purpose" in res.stderr
+    assert time.monotonic() - start < 30, "the job did not end promptly"
 
 
 def test_collective_timeout_under_mpiexec():

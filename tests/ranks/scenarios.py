@@ -156,6 +156,16 @@ def mpi_split():
     say(f"SPLIT {'OK' if ok else 'BAD'} world={world.rank} sub={g.rank}/{g.size} members={members}")
 
 
+def raises():
+    """Under MPI: the last rank dies of an exception while the others wait in a barrier; the job must end."""
+    g = epjit.init()
+    g.barrier()
+    if g.rank == g.size - 1:
+        raise RuntimeError("this rank dies on purpose")
+    g.barrier()
+    time.sleep(60)
+
+
 if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
     globals()[mode](*args)
