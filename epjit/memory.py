@@ -281,7 +281,7 @@ class PeerMemory:
     sym: SymmetricHeap | None
     wait_record: WaitRecord
     table: Any  # cupy uint8 array of PEERS_TABLE_BYTES in device memory
-    setup_seconds: float
+    setup_seconds: dict[str, float]  # where set-up time went: ipc, nvshmem (init + heap), table
 
     @classmethod
     def create(cls, group: Group, num_nvl_bytes: int, num_rdma_bytes: int,
@@ -294,12 +294,14 @@ class PeerMemory:
             raise SetupError(with_rank(f"{group.size} ranks > {MAX_RANKS} supported"))
         import cupy
 
-        start = time.perf_counter()
+        t0 = time.perf_counter()
         nvl = sym = record = None
         try:
             record = WaitRecord()
             nvl = NvlBuffer(group, num_nvl_bytes) if num_nvl_bytes > 0 else None
+            t1 = time.perf_counter()
             sym = SymmetricHeap(group, num_rdma_bytes) if num_rdma_bytes > 0 else None
+            t2 = time.perf_counter()
             host = np.zeros(PEERS_TABLE_BYTES, dtype=np.uint8)
             o = PEERS_TABLE_OFFSETS
             timeout = settings().timeout_s if timeout_s is None else float(timeout_s)
@@ -320,7 +322,9 @@ class PeerMemory:
                 if part is not None:
                     part.close()
             raise
-        return cls(group, nvl, sym, record, table, time.perf_counter() - start)
+        t3 = time.perf_counter()
+        return cls(group, nvl, sym, record, table,
+                   {"ipc": round(t1 - t0, 3), "nvshmem": round(t2 - t1, 3), "table": round(t3 - t2, 3)})
 
     @property
     def table_ptr(self) -> int:

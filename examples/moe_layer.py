@@ -3,8 +3,8 @@
     router -> top-k experts per token -> dispatch (tokens travel to the ranks owning their experts)
     -> per-expert matmul, scaled by the gate weight -> combine (outputs travel home and are summed)
 
-and the result checked against the same layer computed on one device. On GPUs the communication runs on epjit's
-kernels once they exist for this mode (see ``epjit.Buffer``); without GPUs this says so and runs the NumPy
+and the result checked against the same layer computed on one device. On GPUs (one rank per GPU) the
+communication runs on epjit's kernels through ``epjit.Buffer``; without GPUs this says so and runs the NumPy
 reference backend (``epjit.reference``) on simulated ranks, which is exactly the semantics the kernels implement.
 
     python examples/moe_layer.py                  # CPU: simulated ranks
@@ -90,13 +90,92 @@ def run_reference(args: argparse.Namespace) -> int:
             scale = np.abs(expected).max() + 1e-6
             worst = max(worst, float(np.abs(got - expected).max() / scale))
     received = [int(d[r].handle.num_recv_tokens) for r in range(num_ranks)]
-    print(f"no GPU found: ran the NumPy reference backend on {num_ranks} simulated ranks")
+    print(f"{'asked for --cpu' if args.cpu else 'no GPU found'}: ran the NumPy reference backend on {num_ranks} "
+          "simulated ranks")
     print(f"tokens per rank {counts}, received per rank {received}, hidden {args.hidden}, "
           f"top-{args.topk} of {args.experts} experts")
     print(f"dispatch {t_dispatch * 1e3:.1f} ms, combine {t_combine * 1e3:.1f} ms (reference, CPU)")
     ok = worst < 2e-2
     print(f"max relative error vs single-device layer: {worst:.2e} -> {'OK' if ok else 'MISMATCH'}")
     return 0 if ok else 1
+
+
+def run_gpu(args: argparse.Namespace) -> int:
+    """One rank per GPU: the same layer (same seed) on every rank, each rank's own tokens, epjit in between."""
+    import torch
+
+    import epjit
+
+    group = epjit.init()
+    torch.cuda.set_device(group.device)
+    num_ranks, rank = group.size, group.rank
+    if args.experts % num_ranks:
+        raise SystemExit(f"--experts {args.experts} must be divisible by the {num_ranks} ranks")
+    per_rank = args.experts // num_ranks
+    router_np, experts_np = make_layer(np.random.default_rng(args.seed), args.hidden, args.experts)
+    router = torch.from_numpy(router_np).cuda()
+    experts = torch.from_numpy(experts_np.view(np.uint16)).cuda().view(torch.bfloat16)  # [E, H, H]
+    # Uneven ranks on purpose: rank 0 has no tokens when there are several ranks.
+    rng = np.random.default_rng(args.seed + 1 + rank)
+    n = 0 if (rank == 0 and num_ranks > 1) else int(rng.integers(args.tokens // 2, args.tokens + 1))
+    x = torch.from_numpy(rng.standard_normal((n, args.hidden), dtype=np.float32)).cuda().to(torch.bfloat16)
+    logits = x.float() @ router
+    chosen, idx = logits.topk(args.topk, dim=1)
+    weights = torch.softmax(chosen, dim=1)
+
+    buf = epjit.Buffer(group, num_nvl_bytes=epjit.Buffer.get_normal_size_hint(num_ranks, args.hidden, args.topk,
+                                                                                args.experts))
+    try:
+        for _step in range(3):  # the first step compiles (or loads from the cache) the kernels
+            torch.cuda.synchronize()
+            group.barrier()
+            t0 = time.perf_counter()
+            layout = buf.get_dispatch_layout(idx, args.experts)
+            d = buf.dispatch(x, topk_idx=idx, topk_weights=weights, layout=layout)
+            torch.cuda.synchronize()
+            t1 = time.perf_counter()
+            y = torch.zeros(d.x.shape, dtype=torch.float32, device="cuda")
+            for e in range(per_rank):  # the experts this rank owns, on the tokens that chose them
+                rows, slots = (d.topk_idx == e).nonzero(as_tuple=True)
+                if rows.numel():
+                    y.index_add_(0, rows, d.topk_weights[rows, slots, None] * (d.x[rows].float()
+                                                                                @ experts[rank * per_rank + e].float()))
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            out = buf.combine(y.to(torch.bfloat16), d.handle).x
+            torch.cuda.synchronize()
+            t3 = time.perf_counter()
+        expected = torch.zeros(n, args.hidden, dtype=torch.float32, device="cuda")
+        for k in range(args.topk):
+            for e in idx[:, k].unique().tolist():
+                rows = (idx[:, k] == e).nonzero(as_tuple=True)[0]
+                expected[rows] += weights[rows, k, None] * (x[rows].float() @ experts[e].float())
+        err = ((out.float() - expected).abs().max() / (expected.abs().max() + 1e-6)).item() if n else 0.0
+        errors = group.allgather_object(err)
+        counts = group.allgather_object((n, d.x.shape[0]))
+    finally:
+        buf.close()
+    worst = max(errors)
+    if rank == 0:
+        print(f"ran on {num_ranks} GPU(s) ({torch.cuda.get_device_name()}), launched by {group.backend}")
+        print(f"tokens per rank {[c[0] for c in counts]}, received per rank {[c[1] for c in counts]}, "
+              f"hidden {args.hidden}, top-{args.topk} of {args.experts} experts")
+    print(f"rank {rank}: dispatch {1e3 * (t1 - t0):.2f} ms, experts {1e3 * (t2 - t1):.2f} ms, "
+          f"combine {1e3 * (t3 - t2):.2f} ms (last of 3 steps)")
+    ok = worst < 2e-2
+    if rank == 0:
+        print(f"max relative error vs single-device layer: {worst:.2e} -> {'OK' if ok else 'MISMATCH'}")
+    group.close()
+    return 0 if ok else 1
+
+
+def gpus_available() -> int:
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        return 0
+    err, count = runtime.cudaGetDeviceCount()
+    return count if err == runtime.cudaError_t.cudaSuccess else 0
 
 
 def main() -> int:
@@ -109,6 +188,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu", action="store_true", help="use the reference backend even if GPUs exist")
     args = parser.parse_args()
+    if not args.cpu and gpus_available():
+        return run_gpu(args)
     return run_reference(args)
 
 

@@ -41,7 +41,7 @@ def main() -> int:
     mem = PeerMemory.create(group, args.nvl_bytes, args.rdma_bytes)
     t_mem = time.perf_counter() - t0
 
-    result: dict = {"rank": group.rank, "size": group.size, "backend": group.backend,
+    result: dict = {"rank": group.rank, "size": group.size, "backend": group.backend, "parts": mem.setup_seconds,
                     "init_s": round(t_init, 3), "peer_memory_s": round(t_mem, 3)}
     try:
         t0 = time.perf_counter()
