@@ -9,8 +9,6 @@ import time
 
 import pytest
 
-from epjit import launch as launch_mod
-
 from .ranks.procs import PYTHON, RANKS, ROOT, clean_env, exists, launcher, run, running, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -155,28 +153,37 @@ def test_ranks_die_with_a_launcher_killed_hard():
             proc.wait()
 
 
-def test_launch_function_in_process(capfd):
-    code = launch_mod.launch(2, [str(RANKS / "scenarios.py"), "output"], env=clean_env(), timeout=30)
-    out, err = capfd.readouterr()
-    assert code == 0, err
-    assert "[rank 0] out line 1 of rank 0" in out and "[rank 1] partial line of rank 1" in out
-    assert "[rank 1] err line of rank 1" in err
-    code = launch_mod.launch(2, ["-c", "import sys, os; sys.exit(int(os.environ['EPJIT_RANK']) * 5)"], timeout=30)
-    _, err = capfd.readouterr()
-    assert code == 5 and "rank 1 exited with code 5" in err
+def test_launch_function_in_process():
+    # launch() called from Python (not the command line), in a child process whose output is piped: pytest's
+    # capfd raced the launcher's writer threads for the capture file once (NUL bytes in a line, in CI).
+    script = (
+        "import sys\nfrom epjit.launch import launch\n"
+        f"code = launch(2, [{str(RANKS / 'scenarios.py')!r}, 'output'], timeout=30)\n"
+        "print('FIRST', code, flush=True)\n"
+        "code = launch(2, ['-c', \"import sys, os; sys.exit(int(os.environ['EPJIT_RANK']) * 5)\"], timeout=30)\n"
+        "print('SECOND', code, flush=True)\n"
+    )
+    res = run([PYTHON, "-c", script], timeout=60, env=clean_env())
+    assert "FIRST 0" in res.stdout, res.stdout + res.stderr
+    assert "[rank 0] out line 1 of rank 0" in res.stdout and "[rank 1] partial line of rank 1" in res.stdout
+    assert "[rank 1] err line of rank 1" in res.stderr
+    assert "SECOND 5" in res.stdout and "rank 1 exited with code 5" in res.stderr
 
 
-def test_launch_sets_the_environment_of_each_rank(capfd):
+def test_launch_sets_the_environment_of_each_rank():
+    # In a subprocess with piped output: capturing the launcher's in-process writes with capfd raced pytest's own
+    # writers to the capture file (NUL-filled holes seen once in CI).
     probe = (
         "import os; print(*(os.environ.get(k) for k in ('EPJIT_RANK', 'EPJIT_WORLD_SIZE', 'EPJIT_LOCAL_RANK', "
         "'EPJIT_LOCAL_SIZE', 'NVSHMEM_DISABLE_NVLS', 'NCCL_NVLS_ENABLE', 'EXTRA')), "
         "os.environ['EPJIT_LAUNCH_ADDR'].startswith('127.0.0.1:'), len(os.environ['EPJIT_LAUNCH_TOKEN']))"
     )
-    assert launch_mod.launch(3, ["-c", probe], env={"EXTRA": "x", "NCCL_NVLS_ENABLE": "1"}, timeout=30) == 0
-    out = capfd.readouterr().out
+    res = run([PYTHON, "-m", "epjit.launch", "-n", "3", "--timeout", "30", "-c", probe], timeout=60,
+              env=clean_env(EXTRA="x", NCCL_NVLS_ENABLE="1"))
+    assert res.returncode == 0, res.stdout + res.stderr
     for r in range(3):
         # NVSHMEM_DISABLE_NVLS defaults to 1; a value the user set (NCCL_NVLS_ENABLE=1) is kept
-        assert f"[rank {r}] {r} 3 {r} 3 1 1 x True 64" in out
+        assert f"[rank {r}] {r} 3 {r} 3 1 1 x True 64" in res.stdout
 
 
 @pytest.mark.parametrize(
