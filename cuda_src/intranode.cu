@@ -68,6 +68,30 @@ __device__ __forceinline__ void warp_copy_from_ring(int4* dst, const int4* src, 
     warp_copy_with<8>(dst, src, n, lane, [](const int4* p) { return ptx::ld_volatile_global_v4(p); });
 }
 
+// Which peer rank each warp of a dispatch/combine block serves. A small group serves this rank itself (local
+// copies straight between the caller's arrays, no ring); the others split the rest evenly, one group per peer:
+// NVLink traffic is what needs warps, for the bytes they keep in flight. Named barrier `group + 1` syncs a group.
+template <int kNumRanks, int kNumWarps>
+struct WarpRoles {
+    static constexpr int kRemote = kNumRanks > 1 ? (kNumWarps - 3) / (kNumRanks - 1) : 0;
+    static constexpr int kSelf = kNumWarps - kRemote * (kNumRanks - 1);
+    static_assert(kNumRanks == 1 || kRemote >= 1, "too few warps for this many ranks");
+    int group;          // 0: this rank; g > 0: the g-th rank after this one
+    int peer;           // the nvl rank served
+    int warps;          // warps in the group
+    int warp_in_group;
+
+    __device__ WarpRoles(int warp, int me) {
+        if (warp < kSelf) {
+            group = 0, peer = me, warps = kSelf, warp_in_group = warp;
+        } else {
+            group = 1 + (warp - kSelf) / kRemote;
+            peer = (me + group) % kNumRanks, warps = kRemote, warp_in_group = (warp - kSelf) % kRemote;
+        }
+    }
+    __device__ void sync() const { ptx::bar_sync(group + 1, warps * 32); }
+};
+
 // Host-mapped ints notify fills (host_out), read by the host after it synchronises the stream:
 //   [0] rows this rank receives   [1] status bits   [2, 2+4R) every rank's meta   [2+4R, 2+5R) rows each rank
 //   receives   [2+5R, 2+5R+L) rows per local expert, rounded up to expert_alignment
@@ -179,20 +203,49 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
                    int* send_head, int num_tokens, int hidden, int x_row_int4, int num_scales, int num_topk,
                    int num_experts, int num_channels, int num_slots, int num_max_send_tokens, int num_worst_tokens) {
     constexpr int kNumWarps = kNumThreads / 32;
-    constexpr int kWarpsPerRank = kNumWarps / kNumRanks;
-    static_assert(kNumWarps % kNumRanks == 0, "warps must split evenly among ranks");
     if (*device_status != 0) return;
 
     const int me = peers->nvl_rank;
     const int channel = static_cast<int>(blockIdx.x) / 2;
     const bool is_sender = blockIdx.x % 2 == 0;
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-    const int peer = warp / kWarpsPerRank, warp_in_rank = warp % kWarpsPerRank;
+    const WarpRoles<kNumRanks, kNumWarps> roles(warp, me);
+    const int peer = roles.peer, warp_in_rank = roles.warp_in_group, group_warps = roles.warps;
     const int group_thread = warp_in_rank * 32 + lane;
     const int peer_rank = peers->rank - me + peer;
     const int num_local_experts = num_experts / kNumRanks;
+    const int64_t lo = static_cast<int64_t>(peer) * num_local_experts, hi = lo + num_local_experts;
     int begin, end;
     channel_range(num_tokens, num_channels, channel, begin, end);
+
+    if (is_sender && roles.group == 0) {
+        // My own tokens go straight from x to recv_x: their rows follow the other ranks' as for any source.
+        const int64_t row0 = (me > 0 ? rank_prefix_matrix[(me - 1) * kNumRanks + me] : 0) +
+                             (channel > 0 ? channel_prefix_matrix[me * num_channels + channel - 1] : 0);
+        if (group_thread == 0) recv_channel_offset[me * num_channels + channel] = static_cast<int>(row0);
+        for (int t = begin, n = 0; t < end; ++t) {
+            const bool selected = is_token_in_rank[static_cast<int64_t>(t) * kNumRanks + me];
+            if (group_thread == 0) send_head[static_cast<int64_t>(t) * kNumRanks + me] = selected ? n : -n - 1;
+            if (!selected) continue;
+            if (n % group_warps == warp_in_rank) {
+                const int64_t row = row0 + n;
+                warp_copy(recv_x + row * x_row_int4, x + static_cast<int64_t>(t) * x_row_int4, x_row_int4, lane);
+                if (lane == 0) recv_src_idx[row] = t;
+                if (topk_idx != nullptr && lane < num_topk) {
+                    const int64_t e = topk_idx[static_cast<int64_t>(t) * num_topk + lane];
+                    const bool local = e >= lo && e < hi;
+                    recv_topk_idx[row * num_topk + lane] = local ? e - lo : -1;
+                    if (topk_weights != nullptr)
+                        recv_topk_weights[row * num_topk + lane] =
+                            local ? topk_weights[static_cast<int64_t>(t) * num_topk + lane] : 0.0f;
+                }
+                for (int s = lane; s < num_scales; s += 32)
+                    recv_x_scales[row * num_scales + s] = x_scales[static_cast<int64_t>(t) * num_scales + s];
+            }
+            ++n;
+        }
+        return;
+    }
 
     if (is_sender) {
         const IntranodeLayout dst(nvl_ptr(peers, peer, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
@@ -204,7 +257,6 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
             ptx::st_release_sys_s32(dst.start(q), -start - 1);
             ptx::st_release_sys_s32(dst.finish(q), -finish - 1);
         }
-        const int64_t lo = static_cast<int64_t>(peer) * num_local_experts, hi = lo + num_local_experts;
         int tail = 0, head = 0;  // head: the receiver's, as last read (reading it crosses NVLink: only when full)
         for (int t = begin; t < end;) {
             // Room for a whole chunk: at most num_slots - num_max_send_tokens slots may be in use.
@@ -222,7 +274,7 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
                 if (group_thread == 0) send_head[static_cast<int64_t>(t) * kNumRanks + peer] = selected ? tail : -tail - 1;
                 if (!selected) continue;
                 const int slot = tail % num_slots;
-                if (chunk % kWarpsPerRank == warp_in_rank) {
+                if (chunk % group_warps == warp_in_rank) {
                     warp_copy(dst.x_slot(q, slot), x + static_cast<int64_t>(t) * x_row_int4, x_row_int4, lane);
                     if (lane == 0) *dst.src_slot(q, slot) = t;
                     if (topk_idx != nullptr && lane < num_topk) {
@@ -239,66 +291,69 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
                 ++tail;
                 ++chunk;
             }
-            ptx::bar_sync(peer + 1, kWarpsPerRank * 32);
+            roles.sync();
             if (group_thread == 0) ptx::st_release_sys_s32(dst.dispatch_tail(q), tail);
         }
         return;
     }
 
-    // Receiver: my warps of group `peer` drain the ring that rank `peer` fills for this channel.
-    const IntranodeLayout mine(nvl_ptr(peers, me, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
-                               num_topk, num_scales, 0);
-    const int q = mine.queue(channel, peer);
-    __shared__ int s_start[kNumRanks], s_count[kNumRanks], s_tail[kNumRanks];
-    if (group_thread == 0) {
-        int start = 0, finish = 0;
-        timeout_while(peers, WaitSite{"intranode_dispatch receiver: channel start offset", peer_rank, channel, 0},
-                      [&](int64_t& seen) {
-                          seen = start = ptx::ld_acquire_sys_s32(mine.start(q));
-                          return start == 0;
-                      });
-        timeout_while(peers, WaitSite{"intranode_dispatch receiver: channel end offset", peer_rank, channel, 0},
-                      [&](int64_t& seen) {
-                          seen = finish = ptx::ld_acquire_sys_s32(mine.finish(q));
-                          return finish == 0;
-                      });
-        s_start[peer] = -start - 1;
-        s_count[peer] = (-finish - 1) - (-start - 1);
-    }
-    ptx::bar_sync(peer + 1, kWarpsPerRank * 32);
-    const int count = s_count[peer];
-    const int64_t row0 = (peer > 0 ? rank_prefix_matrix[(peer - 1) * kNumRanks + me] : 0) + s_start[peer];
-    if (group_thread == 0) recv_channel_offset[peer * num_channels + channel] = static_cast<int>(row0);
-
-    for (int head = 0; head < count;) {
+    // Receiver: my warps of group `peer` drain the ring that rank `peer` fills for this channel (my own rows
+    // were written by my sender block directly).
+    if (roles.group != 0) {
+        const IntranodeLayout mine(nvl_ptr(peers, me, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
+                                   num_topk, num_scales, 0);
+        const int q = mine.queue(channel, peer);
+        __shared__ int s_start[kNumRanks], s_count[kNumRanks], s_tail[kNumRanks];
         if (group_thread == 0) {
-            int tail = head;
-            timeout_while(peers, WaitSite{"intranode_dispatch receiver: ring tail", peer_rank, channel, head + 1},
+            int start = 0, finish = 0;
+            timeout_while(peers, WaitSite{"intranode_dispatch receiver: channel start offset", peer_rank, channel, 0},
                           [&](int64_t& seen) {
-                              seen = tail = ptx::ld_acquire_sys_s32(mine.dispatch_tail(q));
-                              return tail == head;
+                              seen = start = ptx::ld_acquire_sys_s32(mine.start(q));
+                              return start == 0;
                           });
-            s_tail[peer] = tail;
+            timeout_while(peers, WaitSite{"intranode_dispatch receiver: channel end offset", peer_rank, channel, 0},
+                          [&](int64_t& seen) {
+                              seen = finish = ptx::ld_acquire_sys_s32(mine.finish(q));
+                              return finish == 0;
+                          });
+            s_start[peer] = -start - 1;
+            s_count[peer] = (-finish - 1) - (-start - 1);
         }
-        ptx::bar_sync(peer + 1, kWarpsPerRank * 32);
-        const int tail = s_tail[peer];
-        for (int i = head + warp_in_rank; i < tail; i += kWarpsPerRank) {
-            const int slot = i % num_slots;
-            const int64_t row = row0 + i;
-            warp_copy_from_ring(recv_x + row * x_row_int4, mine.x_slot(q, slot), x_row_int4, lane);
-            if (lane == 0) recv_src_idx[row] = ptx::ld_volatile_s32(mine.src_slot(q, slot));
-            if (recv_topk_idx != nullptr && lane < num_topk) {
-                recv_topk_idx[row * num_topk + lane] = ptx::ld_volatile_s32(mine.topk_idx_slot(q, slot) + lane);
-                if (recv_topk_weights != nullptr)
-                    recv_topk_weights[row * num_topk + lane] = ld_volatile_f32(mine.topk_weights_slot(q, slot) + lane);
+        roles.sync();
+        const int count = s_count[peer];
+        const int64_t row0 = (peer > 0 ? rank_prefix_matrix[(peer - 1) * kNumRanks + me] : 0) + s_start[peer];
+        if (group_thread == 0) recv_channel_offset[peer * num_channels + channel] = static_cast<int>(row0);
+
+        for (int head = 0; head < count;) {
+            if (group_thread == 0) {
+                int tail = head;
+                timeout_while(peers, WaitSite{"intranode_dispatch receiver: ring tail", peer_rank, channel, head + 1},
+                              [&](int64_t& seen) {
+                                  seen = tail = ptx::ld_acquire_sys_s32(mine.dispatch_tail(q));
+                                  return tail == head;
+                              });
+                s_tail[peer] = tail;
             }
-            for (int s = lane; s < num_scales; s += 32)
-                recv_x_scales[row * num_scales + s] = ld_volatile_f32(mine.scales_slot(q, slot) + s);
+            roles.sync();
+            const int tail = s_tail[peer];
+            for (int i = head + warp_in_rank; i < tail; i += group_warps) {
+                const int slot = i % num_slots;
+                const int64_t row = row0 + i;
+                warp_copy_from_ring(recv_x + row * x_row_int4, mine.x_slot(q, slot), x_row_int4, lane);
+                if (lane == 0) recv_src_idx[row] = ptx::ld_volatile_s32(mine.src_slot(q, slot));
+                if (recv_topk_idx != nullptr && lane < num_topk) {
+                    recv_topk_idx[row * num_topk + lane] = ptx::ld_volatile_s32(mine.topk_idx_slot(q, slot) + lane);
+                    if (recv_topk_weights != nullptr)
+                        recv_topk_weights[row * num_topk + lane] = ld_volatile_f32(mine.topk_weights_slot(q, slot) + lane);
+                }
+                for (int s = lane; s < num_scales; s += 32)
+                    recv_x_scales[row * num_scales + s] = ld_volatile_f32(mine.scales_slot(q, slot) + s);
+            }
+            // Every warp of the group has read slots [head, tail) before the sender may reuse them.
+            roles.sync();
+            head = tail;
+            if (group_thread == 0) ptx::st_release_sys_s32(mine.dispatch_head(q), head);
         }
-        // Every warp of the group has read slots [head, tail) before the sender may reuse them.
-        ptx::bar_sync(peer + 1, kWarpsPerRank * 32);
-        head = tail;
-        if (group_thread == 0) ptx::st_release_sys_s32(mine.dispatch_head(q), head);
     }
 
     // Worst-token mode: rows past what arrived are padding, with no expert and no weight.
@@ -333,8 +388,6 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
                   const int* send_head, int4* out_x, float* out_topk_weights, int num_tokens, int hidden,
                   int num_topk, int num_channels, int num_slots, int num_max_send_tokens) {
     constexpr int kNumWarps = kNumThreads / 32;
-    constexpr int kWarpsPerRank = kNumWarps / kNumRanks;
-    static_assert(kNumWarps % kNumRanks == 0, "warps must split evenly among ranks");
     const int me = peers->nvl_rank;
     const int channel = static_cast<int>(blockIdx.x) / 2;
     const bool is_sender = blockIdx.x % 2 == 0;
@@ -343,8 +396,11 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
 
     if (is_sender) {
         // Rows rank `peer` sent me on this channel, in the order they arrived: they go back in that order, so
-        // the k-th lands at ring index k, which is what peer's send_head recorded.
-        const int peer = warp / kWarpsPerRank, warp_in_rank = warp % kWarpsPerRank;
+        // the k-th lands at ring index k, which is what peer's send_head recorded. My own rows need no trip:
+        // my receiver block reads them from y.
+        const WarpRoles<kNumRanks, kNumWarps> roles(warp, me);
+        if (roles.group == 0) return;
+        const int peer = roles.peer, warp_in_rank = roles.warp_in_group;
         const int group_thread = warp_in_rank * 32 + lane;
         const int peer_rank = peers->rank - me + peer;
         const IntranodeLayout dst(nvl_ptr(peers, peer, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
@@ -365,19 +421,20 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
             }
             __syncwarp();
             for (int chunk = 0; chunk < num_max_send_tokens && row < last; ++chunk, ++row, ++tail) {
-                if (chunk % kWarpsPerRank != warp_in_rank) continue;
+                if (chunk % roles.warps != warp_in_rank) continue;
                 const int slot = tail % num_slots;
                 warp_copy(dst.x_slot(q, slot), y + static_cast<int64_t>(row) * row_int4, row_int4, lane);
                 if (y_topk_weights != nullptr && lane < num_topk)
                     dst.topk_weights_slot(q, slot)[lane] = y_topk_weights[static_cast<int64_t>(row) * num_topk + lane];
             }
-            ptx::bar_sync(peer + 1, kWarpsPerRank * 32);
+            roles.sync();
             if (group_thread == 0) ptx::st_release_sys_s32(dst.combine_tail(q), tail);
         }
         return;
     }
 
     // Receiver: warp 0 coordinates the heads, warps 1.. reduce tokens begin + w - 1, step kNumWarps - 1.
+    const int my_first = recv_channel_offset[me * num_channels + channel];  // first row of my own in y
     const IntranodeLayout mine(nvl_ptr(peers, me, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
                                num_topk, 0, 0);
     __shared__ volatile int progress[kNumWarps][kNumRanks];  // next ring index reader w needs from rank r
@@ -411,7 +468,7 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
 
     for (int t = begin + warp - 1; t < end; t += kNumWarps - 1) {
         const int expected = lane < kNumRanks ? send_head[static_cast<int64_t>(t) * kNumRanks + lane] : -1;
-        if (lane < kNumRanks && expected >= 0) {
+        if (lane < kNumRanks && lane != me && expected >= 0) {  // my own rows are in y already
             timeout_while(peers, WaitSite{"intranode_combine reader: ring tail", peers->rank - me + lane, channel,
                                           expected + 1},
                           [&](int64_t& seen) {
@@ -421,11 +478,21 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
                           });
         }
         __syncwarp();
-        int slot[kNumRanks];
+        // Where each rank's row for token t is: a ring slot for the others, y itself for my own.
+        const int4* rows[kNumRanks];
+        const float* weights[kNumRanks];
 #pragma unroll
         for (int r = 0; r < kNumRanks; ++r) {
             const int e = __shfl_sync(0xffffffffu, expected, r);
-            slot[r] = e >= 0 ? e % num_slots : -1;
+            rows[r] = nullptr, weights[r] = nullptr;
+            if (e < 0) continue;
+            if (r == me) {
+                rows[r] = y + static_cast<int64_t>(my_first + e) * row_int4;
+                if (y_topk_weights != nullptr) weights[r] = y_topk_weights + static_cast<int64_t>(my_first + e) * num_topk;
+            } else {
+                rows[r] = mine.x_slot(mine.queue(channel, r), e % num_slots);
+                weights[r] = mine.topk_weights_slot(mine.queue(channel, r), e % num_slots);
+            }
         }
         // kUnroll int4 columns per lane at once, every rank's row loaded before any add: kUnroll x R loads in
         // flight per lane (one column at a time left each lane waiting a full memory latency per load pair).
@@ -437,8 +504,7 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
                 const int i = i0 + 32 * u;
 #pragma unroll
                 for (int r = 0; r < kNumRanks; ++r)
-                    if (i < row_int4 && slot[r] >= 0)
-                        v[u][r] = ptx::ld_volatile_global_v4(mine.x_slot(mine.queue(channel, r), slot[r]) + i);
+                    if (i < row_int4 && rows[r] != nullptr) v[u][r] = ptx::ld_volatile_global_v4(rows[r] + i);
             }
 #pragma unroll
             for (int u = 0; u < kUnroll; ++u) {
@@ -449,7 +515,7 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
                 if (bias1 != nullptr) add_bf16x8(acc, bias1[static_cast<int64_t>(t) * row_int4 + i]);
 #pragma unroll
                 for (int r = 0; r < kNumRanks; ++r)
-                    if (slot[r] >= 0) add_bf16x8(acc, v[u][r]);
+                    if (rows[r] != nullptr) add_bf16x8(acc, v[u][r]);
                 ptx::st_global_L1_no_allocate_v4(out_x + static_cast<int64_t>(t) * row_int4 + i, pack_bf16x8(acc));
             }
         }
@@ -457,7 +523,7 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
             float w = 0.0f;
 #pragma unroll
             for (int r = 0; r < kNumRanks; ++r)
-                if (slot[r] >= 0) w += ld_volatile_f32(mine.topk_weights_slot(mine.queue(channel, r), slot[r]) + lane);
+                if (weights[r] != nullptr) w += ld_volatile_f32(weights[r] + lane);
             out_topk_weights[static_cast<int64_t>(t) * num_topk + lane] = w;
         }
         __syncwarp();

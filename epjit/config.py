@@ -51,19 +51,20 @@ class Config:
                                    hidden // 128 if fp8 else 0, num_experts // num_ranks)
 
 
-def _warps_per_rank(num_ranks: int) -> int:
-    return max(1, NUM_THREADS // 32 // num_ranks)
+def _warps_per_peer(num_ranks: int) -> int:
+    """Warps a sender block gives each other rank (cuda_src/intranode.cu: WarpRoles::kRemote)."""
+    return max(1, (NUM_THREADS // 32 - 3) // max(1, num_ranks - 1))
 
 
 def get_dispatch_config(num_ranks: int) -> Config:
     """Defaults for dispatch, by rank count. A sender's warps for one rank copy a chunk's tokens one each, so a
     chunk of two tokens per warp keeps them all busy between tail updates (first measured on 2 x H200)."""
-    return Config(24, 2 * _warps_per_rank(num_ranks), 256)
+    return Config(24, 2 * _warps_per_peer(num_ranks), 256)
 
 
 def get_combine_config(num_ranks: int) -> Config:
     """Defaults for combine, by rank count: the same channels as dispatch (combine replays its channels)."""
-    return Config(24, 2 * _warps_per_rank(num_ranks), 256)
+    return Config(24, 2 * _warps_per_peer(num_ranks), 256)
 
 
 def normal_size_hint(num_ranks: int, hidden: int, num_topk: int = 8, num_experts: int = 256,
