@@ -68,28 +68,27 @@ __device__ __forceinline__ void warp_copy_from_ring(int4* dst, const int4* src, 
     warp_copy_with<8>(dst, src, n, lane, [](const int4* p) { return ptx::ld_volatile_global_v4(p); });
 }
 
-// Which peer rank each warp of a dispatch/combine block serves. A small group serves this rank itself (local
-// copies straight between the caller's arrays, no ring); the others split the rest evenly, one group per peer:
-// NVLink traffic is what needs warps, for the bytes they keep in flight. Named barrier `group + 1` syncs a group.
-template <int kNumRanks, int kNumWarps>
+// Which peer rank each warp of a dispatch/combine block serves, as groups of warps (named barrier group + 1).
+//   sender blocks:   every warp serves another rank (NVLink stores need warps for the bytes they keep in flight);
+//                    warps left over by the division idle.
+//   receiver blocks: warps split evenly among all ranks: the others' rings and, for this rank, its own tokens
+//                    straight from x (all local copies, so each rank's share of rows is the right weight).
+template <int kNumRanks, int kNumWarps, bool kSender>
 struct WarpRoles {
-    static constexpr int kRemote = kNumRanks > 1 ? (kNumWarps - 3) / (kNumRanks - 1) : 0;
-    static constexpr int kSelf = kNumWarps - kRemote * (kNumRanks - 1);
-    static_assert(kNumRanks == 1 || kRemote >= 1, "too few warps for this many ranks");
-    int group;          // 0: this rank; g > 0: the g-th rank after this one
+    static constexpr int kGroups = kSender ? kNumRanks - 1 : kNumRanks;
+    static constexpr int kPerGroup = kGroups > 0 ? kNumWarps / kGroups : 0;
+    static_assert(kGroups == 0 || kPerGroup >= 1, "too few warps for this many ranks");
+    int group;          // -1: idle
     int peer;           // the nvl rank served
-    int warps;          // warps in the group
     int warp_in_group;
 
     __device__ WarpRoles(int warp, int me) {
-        if (warp < kSelf) {
-            group = 0, peer = me, warps = kSelf, warp_in_group = warp;
-        } else {
-            group = 1 + (warp - kSelf) / kRemote;
-            peer = (me + group) % kNumRanks, warps = kRemote, warp_in_group = (warp - kSelf) % kRemote;
-        }
+        group = kPerGroup > 0 && warp < kPerGroup * kGroups ? warp / kPerGroup : -1;
+        warp_in_group = kPerGroup > 0 ? warp % kPerGroup : 0;
+        peer = kSender ? (me + 1 + group) % kNumRanks : group;
     }
-    __device__ void sync() const { ptx::bar_sync(group + 1, warps * 32); }
+    __device__ bool idle() const { return group < 0; }
+    __device__ void sync() const { ptx::bar_sync(group + 1, kPerGroup * 32); }
 };
 
 // Host-mapped ints notify fills (host_out), read by the host after it synchronises the stream:
@@ -209,8 +208,11 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
     const int channel = static_cast<int>(blockIdx.x) / 2;
     const bool is_sender = blockIdx.x % 2 == 0;
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-    const WarpRoles<kNumRanks, kNumWarps> roles(warp, me);
-    const int peer = roles.peer, warp_in_rank = roles.warp_in_group, group_warps = roles.warps;
+    const WarpRoles<kNumRanks, kNumWarps, true> send_roles(warp, me);
+    const WarpRoles<kNumRanks, kNumWarps, false> recv_roles(warp, me);
+    const int peer = is_sender ? send_roles.peer : recv_roles.peer;
+    const int warp_in_rank = is_sender ? send_roles.warp_in_group : recv_roles.warp_in_group;
+    const int group_warps = is_sender ? send_roles.kPerGroup : recv_roles.kPerGroup;
     const int group_thread = warp_in_rank * 32 + lane;
     const int peer_rank = peers->rank - me + peer;
     const int num_local_experts = num_experts / kNumRanks;
@@ -218,7 +220,7 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
     int begin, end;
     channel_range(num_tokens, num_channels, channel, begin, end);
 
-    if (is_sender && roles.group == 0) {
+    if (!is_sender && !recv_roles.idle() && peer == me) {
         // My own tokens go straight from x to recv_x: their rows follow the other ranks' as for any source.
         const int64_t row0 = (me > 0 ? rank_prefix_matrix[(me - 1) * kNumRanks + me] : 0) +
                              (channel > 0 ? channel_prefix_matrix[me * num_channels + channel - 1] : 0);
@@ -244,9 +246,9 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
             }
             ++n;
         }
-        return;
     }
 
+    if (is_sender && send_roles.idle()) return;
     if (is_sender) {
         const IntranodeLayout dst(nvl_ptr(peers, peer, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
                                   num_topk, num_scales, 0);
@@ -291,15 +293,15 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
                 ++tail;
                 ++chunk;
             }
-            roles.sync();
+            send_roles.sync();
             if (group_thread == 0) ptx::st_release_sys_s32(dst.dispatch_tail(q), tail);
         }
         return;
     }
 
     // Receiver: my warps of group `peer` drain the ring that rank `peer` fills for this channel (my own rows
-    // were written by my sender block directly).
-    if (roles.group != 0) {
+    // were copied above).
+    if (!recv_roles.idle() && peer != me) {
         const IntranodeLayout mine(nvl_ptr(peers, me, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
                                    num_topk, num_scales, 0);
         const int q = mine.queue(channel, peer);
@@ -319,7 +321,7 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
             s_start[peer] = -start - 1;
             s_count[peer] = (-finish - 1) - (-start - 1);
         }
-        roles.sync();
+        recv_roles.sync();
         const int count = s_count[peer];
         const int64_t row0 = (peer > 0 ? rank_prefix_matrix[(peer - 1) * kNumRanks + me] : 0) + s_start[peer];
         if (group_thread == 0) recv_channel_offset[peer * num_channels + channel] = static_cast<int>(row0);
@@ -334,7 +336,7 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
                               });
                 s_tail[peer] = tail;
             }
-            roles.sync();
+            recv_roles.sync();
             const int tail = s_tail[peer];
             for (int i = head + warp_in_rank; i < tail; i += group_warps) {
                 const int slot = i % num_slots;
@@ -350,7 +352,7 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
                     recv_x_scales[row * num_scales + s] = ld_volatile_f32(mine.scales_slot(q, slot) + s);
             }
             // Every warp of the group has read slots [head, tail) before the sender may reuse them.
-            roles.sync();
+            recv_roles.sync();
             head = tail;
             if (group_thread == 0) ptx::st_release_sys_s32(mine.dispatch_head(q), head);
         }
@@ -398,8 +400,8 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
         // Rows rank `peer` sent me on this channel, in the order they arrived: they go back in that order, so
         // the k-th lands at ring index k, which is what peer's send_head recorded. My own rows need no trip:
         // my receiver block reads them from y.
-        const WarpRoles<kNumRanks, kNumWarps> roles(warp, me);
-        if (roles.group == 0) return;
+        const WarpRoles<kNumRanks, kNumWarps, true> roles(warp, me);
+        if (roles.idle()) return;
         const int peer = roles.peer, warp_in_rank = roles.warp_in_group;
         const int group_thread = warp_in_rank * 32 + lane;
         const int peer_rank = peers->rank - me + peer;
@@ -421,7 +423,7 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
             }
             __syncwarp();
             for (int chunk = 0; chunk < num_max_send_tokens && row < last; ++chunk, ++row, ++tail) {
-                if (chunk % roles.warps != warp_in_rank) continue;
+                if (chunk % roles.kPerGroup != warp_in_rank) continue;
                 const int slot = tail % num_slots;
                 warp_copy(dst.x_slot(q, slot), y + static_cast<int64_t>(row) * row_int4, row_int4, lane);
                 if (y_topk_weights != nullptr && lane < num_topk)

@@ -52,8 +52,8 @@ class Config:
 
 
 def _warps_per_peer(num_ranks: int) -> int:
-    """Warps a sender block gives each other rank (cuda_src/intranode.cu: WarpRoles::kRemote)."""
-    return max(1, (NUM_THREADS // 32 - 3) // max(1, num_ranks - 1))
+    """Warps a sender block gives each other rank (cuda_src/intranode.cu: WarpRoles<..., true>::kPerGroup)."""
+    return max(1, NUM_THREADS // 32 // max(1, num_ranks - 1))
 
 
 def get_dispatch_config(num_ranks: int) -> Config:

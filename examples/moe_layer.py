@@ -25,7 +25,7 @@ BF16 = ml_dtypes.bfloat16
 
 
 def make_layer(rng: np.random.Generator, hidden: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
-    router = rng.standard_normal((hidden, num_experts), dtype=np.float32) / np.sqrt(hidden)
+    router = (rng.standard_normal((hidden, num_experts), dtype=np.float32) / np.sqrt(hidden)).astype(np.float32)
     experts = (rng.standard_normal((num_experts, hidden, hidden), dtype=np.float32) / np.sqrt(hidden)).astype(BF16)
     return router, experts
 
