@@ -13,9 +13,13 @@ returns, so results are ready for whatever the caller runs next on it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -41,6 +45,40 @@ def _cupy() -> Any:
     import cupy
 
     return cupy
+
+
+def _callers_stream(obj: Any) -> Any:
+    """A context that makes CuPy's current stream the caller's: torch's current stream for torch tensors (so a
+    call inside a torch side stream or a torch CUDA-graph capture is ordered, and captured, where the caller's
+    work is); CuPy's own current stream otherwise (JAX and CuPy callers)."""
+    if isinstance(obj, (tuple, list)) and obj:
+        obj = obj[0]
+    if not type(obj).__module__.startswith("torch"):
+        return contextlib.nullcontext()
+    torch = sys.modules["torch"]
+    stream = torch.cuda.current_stream()
+    if stream.cuda_stream == 0:
+        return contextlib.nullcontext()  # torch's legacy default stream is CuPy's null stream
+    return _cupy().cuda.ExternalStream(stream.cuda_stream, stream.device.index)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _on_callers_stream(method: _F) -> _F:
+    """Run a Buffer method on the stream of the caller of its first array argument (see _callers_stream)."""
+    first_name = method.__code__.co_varnames[1]
+
+    @functools.wraps(method)
+    def wrapper(self: Buffer, *args: Any, **kwargs: Any) -> Any:
+        with _callers_stream(args[0] if args else kwargs.get(first_name)):
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _capturing() -> bool:
+    return bool(_cupy().cuda.get_current_stream().is_capturing())
 
 
 class _Profile:
@@ -305,7 +343,7 @@ class Buffer:
 
     def _check_pending(self) -> None:
         """Raise what an earlier worst-token dispatch's notify found, once its stream got there."""
-        if self._pending_status is None:
+        if self._pending_status is None or _capturing():
             return
         event, num_worst_tokens = self._pending_status
         if not event.event.done:
@@ -316,6 +354,7 @@ class Buffer:
 
     # ------------------------------------------------------------------------------------------------ layout
 
+    @_on_callers_stream
     def get_dispatch_layout(self, topk_idx: Any, num_experts: int, previous_event: Event | None = None,
                             async_finish: bool = False) -> DispatchLayout:
         """Counts per rank and per expert, and is_token_in_rank, for topk_idx [N, K] int64 (-1 = no expert)."""
@@ -372,6 +411,7 @@ class Buffer:
 
     # ------------------------------------------------------------------------------------------------ dispatch
 
+    @_on_callers_stream
     def dispatch(self, x: Any, topk_idx: Any = None, topk_weights: Any = None, layout: DispatchLayout | None = None,
                  handle: DispatchHandle | None = None, num_worst_tokens: int = 0, expert_alignment: int = 1,
                  config: Config | None = None, previous_event: Event | None = None,
@@ -526,7 +566,7 @@ class Buffer:
                 config.nvl_chunk_recv, config.nvl_chunk_send, num_worst_tokens, stream=self.comm_stream)
             self._profile.mark("dispatch", self.comm_stream)
         event = self._finish(caller, async_finish)
-        if num_worst_tokens > 0:
+        if num_worst_tokens > 0 and not _capturing():
             self._pending_status = (event, num_worst_tokens)
         new_handle = DispatchHandle(rank_prefix, channel_prefix, recv_channel_offset, recv_src, in_rank, send_head,
                                     num_tokens, num_recv, num_rows, num_channels, hidden, num_topk, num_experts_,
@@ -543,6 +583,7 @@ class Buffer:
 
     # ------------------------------------------------------------------------------------------------ combine
 
+    @_on_callers_stream
     def combine(self, y: Any, handle: DispatchHandle, topk_weights: Any = None, bias: Any = None,
                 config: Config | None = None, previous_event: Event | None = None,
                 async_finish: bool = False) -> CombineResult:
