@@ -22,7 +22,24 @@ def test_intranode_against_reference(n):
         assert r["loops_identical"], r
         assert "hidden differs across ranks" in r["mismatch_error"], r
         assert f"outside [-1, num_experts=64) on rank(s) {n - 1}" in r["invalid_ids_error"], r
+        refused = r["refused"]
+        assert "x must be contiguous" in refused["non_contiguous"], refused
+        assert "x must be bfloat16, got float32" in refused["wrong_dtype"], refused
+        assert "topk_idx must have shape" in refused["idx_rows"], refused
+        assert "not divisible" in refused["experts_not_divisible"], refused
+        assert "bytes of NVLink buffer" in refused["buffer_too_small"], refused
+        assert "num_worst_tokens=8 is too small for what arrives" in r["worst_too_small"], r
     print("\n".join(str(r) for r in results))
+
+
+def test_a_rank_that_never_arrives_times_out_naming_it():
+    require_gpus(2)
+    pytest.importorskip("torch")
+    code, output, _ = run_ranks("launch", 2, "tests/ranks/intranode_timeout.py", env={"EPJIT_TIMEOUT_S": "3"},
+                                timeout=120)
+    assert code != 0, output[-4000:]
+    assert "EpjitTimeoutError" in output and "rank 0 timed out" in output, output[-4000:]
+    assert "intranode_notify" in output and "waiting for peer rank 1" in output, output[-4000:]
 
 
 @pytest.mark.parametrize("n", [2, 4])

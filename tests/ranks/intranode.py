@@ -243,6 +243,33 @@ def main() -> int:
         except epjit.ArgumentError as e:
             result["invalid_ids_error"] = str(e)[:200]
 
+        # Bad input: a clear exception before any kernel runs (each rank raises the same, so no one waits).
+        x = torch.randn(64, 2048, device="cuda").to(torch.bfloat16)
+        idx = torch.randint(0, 64, (64, 4), device="cuda")
+        refused = {}
+        for name, call in [
+            ("non_contiguous", lambda: buf.dispatch(x.t().contiguous().t(), topk_idx=idx, num_experts=64)),
+            ("wrong_dtype", lambda: buf.dispatch(x.float(), topk_idx=idx, num_experts=64)),
+            ("idx_rows", lambda: buf.dispatch(x, topk_idx=idx[:63], num_experts=64)),
+            ("experts_not_divisible", lambda: buf.dispatch(x, topk_idx=idx % 63, num_experts=63)),
+            ("buffer_too_small", lambda: buf.dispatch(x, topk_idx=idx, num_experts=64,
+                                                      config=epjit.Config(128, 6, 4096))),
+        ]:
+            try:
+                call()
+                refused[name] = None
+            except (ValueError, TypeError) as e:
+                refused[name] = f"{type(e).__name__}: {e}"[:160]
+        result["refused"] = refused
+        # num_worst_tokens smaller than what arrives: the kernels do nothing, the next call raises on every rank.
+        try:
+            buf.dispatch(x, topk_idx=idx, num_experts=64, num_worst_tokens=8)
+            buf.synchronize()
+            result["worst_too_small"] = None
+        except epjit.ArgumentError as e:
+            result["worst_too_small"] = str(e)[:200]
+        run_case(buf, rank, R, seed=8, counts=[40] * R, hidden=2048, topk=4, num_experts=64, fp8=False, holes=0.1)
+
         # Back-to-back dispatch + combine with fresh routings, twice with the same seeds: bit-identical.
         runs = []
         for _ in range(2):
@@ -265,6 +292,7 @@ def main() -> int:
     print("RESULT " + json.dumps(result), flush=True)
     group.close()
     ok = (result["loops_identical"] and "hidden differs" in (result["mismatch_error"] or "")
+          and all(result["refused"].values()) and "too small for what arrives" in (result["worst_too_small"] or "")
           and f"outside [-1, num_experts=64) on rank(s) {R - 1}" in (result["invalid_ids_error"] or ""))
     return 0 if ok else 1
 
