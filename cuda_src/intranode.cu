@@ -68,6 +68,23 @@ __device__ __forceinline__ void warp_copy_from_ring(int4* dst, const int4* src, 
     warp_copy_with<8>(dst, src, n, lane, [](const int4* p) { return ptx::ld_volatile_global_v4(p); });
 }
 
+// A sender's flow control: before a chunk, wait until the ring (channel, me) at the receiver has room for a whole
+// chunk, i.e. at most num_slots - chunk of its slots are still unread. `head` caches the receiver's head, which
+// lives across NVLink: it is read again only when the cached value says the ring may be full. One lane waits;
+// __syncwarp hands the answer to the warp. The acquire pairs with the receiver's st.release.sys of the head, which
+// comes after its reads of those slots.
+__device__ __forceinline__ void wait_for_ring_room(const PeersTable* peers, const char* site, const int32_t* head_ptr,
+                                                   int tail, int& head, int num_slots, int chunk, int peer_rank,
+                                                   int channel, int lane) {
+    if (lane == 0 && tail - head > num_slots - chunk) {
+        timeout_while(peers, WaitSite{site, peer_rank, channel, tail - num_slots + chunk}, [&](int64_t& seen) {
+            seen = head = ptx::ld_acquire_sys_s32(head_ptr);
+            return tail - head > num_slots - chunk;
+        });
+    }
+    __syncwarp();
+}
+
 // Which peer rank each warp of a dispatch/combine block serves, as groups of warps (named barrier group + 1).
 //   sender blocks:   every warp serves another rank (NVLink stores need warps for the bytes they keep in flight);
 //                    warps left over by the division idle.
@@ -259,18 +276,10 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
             ptx::st_release_sys_s32(dst.start(q), -start - 1);
             ptx::st_release_sys_s32(dst.finish(q), -finish - 1);
         }
-        int tail = 0, head = 0;  // head: the receiver's, as last read (reading it crosses NVLink: only when full)
+        int tail = 0, head = 0;
         for (int t = begin; t < end;) {
-            // Room for a whole chunk: at most num_slots - num_max_send_tokens slots may be in use.
-            if (lane == 0 && tail - head > num_slots - num_max_send_tokens) {
-                timeout_while(peers, WaitSite{"intranode_dispatch sender: ring space (head)", peer_rank, channel,
-                                              tail - num_slots + num_max_send_tokens},
-                              [&](int64_t& seen) {
-                                  seen = head = ptx::ld_acquire_sys_s32(dst.dispatch_head(q));
-                                  return tail - head > num_slots - num_max_send_tokens;
-                              });
-            }
-            __syncwarp();
+            wait_for_ring_room(peers, "intranode_dispatch sender: ring space (head)", dst.dispatch_head(q), tail, head,
+                               num_slots, num_max_send_tokens, peer_rank, channel, lane);
             for (int chunk = 0; chunk < num_max_send_tokens && t < end; ++t) {
                 const bool selected = is_token_in_rank[static_cast<int64_t>(t) * kNumRanks + peer];
                 if (group_thread == 0) send_head[static_cast<int64_t>(t) * kNumRanks + peer] = selected ? tail : -tail - 1;
@@ -413,15 +422,8 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
                                                     : rank_prefix_matrix[peer * kNumRanks + me];
         int tail = 0, head = 0;
         for (int row = first; row < last;) {
-            if (lane == 0 && tail - head > num_slots - num_max_send_tokens) {
-                timeout_while(peers, WaitSite{"intranode_combine sender: ring space (head)", peer_rank, channel,
-                                              tail - num_slots + num_max_send_tokens},
-                              [&](int64_t& seen) {
-                                  seen = head = ptx::ld_acquire_sys_s32(dst.combine_head(q));
-                                  return tail - head > num_slots - num_max_send_tokens;
-                              });
-            }
-            __syncwarp();
+            wait_for_ring_room(peers, "intranode_combine sender: ring space (head)", dst.combine_head(q), tail, head,
+                               num_slots, num_max_send_tokens, peer_rank, channel, lane);
             for (int chunk = 0; chunk < num_max_send_tokens && row < last; ++chunk, ++row, ++tail) {
                 if (chunk % roles.kPerGroup != warp_in_rank) continue;
                 const int slot = tail % num_slots;
