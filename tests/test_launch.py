@@ -110,16 +110,21 @@ def test_timeout_option_kills_everything_and_exits_124():
     assert wait_until(lambda: not any(exists(p) for p in pids), 2.0)
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_signal_to_the_launcher_stops_all_ranks(sig, code):
+def _launch_two_sleeping_ranks() -> tuple[subprocess.Popen, list[int]]:
+    """A launcher with 2 ranks that sleep, and the ranks' pids once both have said them."""
     cmd = [PYTHON, "-m", "epjit.launch", "-n", "2", str(RANKS / "scenarios.py"), "sleep"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    deadline = time.monotonic() + 20
+    while len(pids) < 2 and time.monotonic() < deadline:
+        pids += [int(p) for p in re.findall(r"SLEEPING (\d+)", proc.stdout.readline())]
+    return proc, pids
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_to_the_launcher_stops_all_ranks(sig, code):
+    proc, pids = _launch_two_sleeping_ranks()
     try:
-        pids = []
-        deadline = time.monotonic() + 20
-        while len(pids) < 2 and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            pids += [int(p) for p in re.findall(r"SLEEPING (\d+)", line)]
         assert len(pids) == 2
         start = time.monotonic()
         proc.send_signal(sig)
@@ -135,13 +140,8 @@ def test_signal_to_the_launcher_stops_all_ranks(sig, code):
 
 
 def test_ranks_die_with_a_launcher_killed_hard():
-    cmd = [PYTHON, "-m", "epjit.launch", "-n", "2", str(RANKS / "scenarios.py"), "sleep"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, pids = _launch_two_sleeping_ranks()
     try:
-        pids = []
-        deadline = time.monotonic() + 20
-        while len(pids) < 2 and time.monotonic() < deadline:
-            pids += [int(p) for p in re.findall(r"SLEEPING (\d+)", proc.stdout.readline())]
         assert len(pids) == 2
         proc.kill()  # SIGKILL: no chance to clean up; the ranks' parent-death signal must end them
         proc.wait(timeout=10)
