@@ -13,6 +13,15 @@ def say(*parts):
     print(*parts, flush=True)
 
 
+def barrier_and_say(g, caught="CAUGHT"):
+    """A barrier whose outcome the test reads from the output: NO ERROR, or CAUGHT <the CollectiveError>."""
+    try:
+        g.barrier()
+        say("NO ERROR")
+    except CollectiveError as e:
+        say(f"{caught} {e}")
+
+
 def fail():
     """Rank 0 exits 3 while rank 1 is stuck (with a child process of its own) and rank 2 waits in a barrier."""
     g = epjit.init()
@@ -59,11 +68,7 @@ def closed():
         g.close()
         time.sleep(1.0)
         return
-    try:
-        g.barrier()
-        say("NO ERROR")
-    except CollectiveError as e:
-        say(f"CAUGHT {e}")
+    barrier_and_say(g)
 
 
 def slow():
@@ -71,18 +76,10 @@ def slow():
     g = epjit.init()
     if g.rank == 1:
         time.sleep(1.0)
-    try:
-        g.barrier()
-        say("NO ERROR")
-    except CollectiveError as e:
-        say(f"CAUGHT {e}")
+    barrier_and_say(g)
     if g.backend == "mpi":
         return  # rank 0's barrier is still pending in MPI; rank 1 completes it, and nobody calls another
-    try:
-        g.barrier()
-        say("NO ERROR")
-    except CollectiveError as e:
-        say(f"CAUGHT AGAIN {e}")
+    barrier_and_say(g, "CAUGHT AGAIN")
 
 
 def sleep():
