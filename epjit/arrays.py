@@ -5,6 +5,11 @@ Every array argument of a public call goes through :func:`check` first, so a bad
 kernels, so "in" means a ``cupy.ndarray`` view of the caller's memory (:func:`to_cupy`) and "out" means the caller's
 framework viewing CuPy's memory (:func:`from_cupy`).
 
+The hot path of a call describes each array once: :func:`check` returns the :class:`ArrayInfo` that
+:func:`kernel_arg` then turns into what a kernel takes, the raw device address for torch tensors and CuPy arrays (no
+DLPack exchange: tens of microseconds a call saved) and a CuPy view for JAX. Outputs for torch and CuPy callers are
+allocated by their own framework (:func:`empty`), so nothing crosses DLPack on the way out either.
+
 Frameworks are never imported to *inspect* an object: the object's type names its module, and that module is
 already in ``sys.modules`` if the object exists. Only :func:`to_cupy` / :func:`from_cupy` import what they convert
 to (CuPy, or the framework the caller asked for).
@@ -35,7 +40,9 @@ __all__ = [
     "check",
     "check_same_framework",
     "describe",
+    "empty",
     "from_cupy",
+    "kernel_arg",
     "to_cupy",
 ]
 
@@ -78,6 +85,24 @@ class ArrayInfo:
         return len(self.shape)
 
 
+_new_object = object.__new__
+
+
+def _info(framework: str, dtype: str, shape: tuple[int, ...], strides: tuple[int, ...], device: tuple[str, int],
+          contiguous: bool) -> ArrayInfo:
+    # The same object ArrayInfo(...) makes, built faster: a frozen dataclass's __init__ sets each field through
+    # object.__setattr__ (~2 us for six fields), and describe() runs for every array of every call.
+    info = _new_object(ArrayInfo)
+    fields = info.__dict__
+    fields["framework"] = framework
+    fields["dtype"] = dtype
+    fields["shape"] = shape
+    fields["strides"] = strides
+    fields["device"] = device
+    fields["contiguous"] = contiguous
+    return info
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Reading metadata
 
@@ -97,8 +122,21 @@ def _loaded(module_name: str) -> Any:
     return sys.modules.get(module_name)
 
 
+# Framework of each array type seen so far. Which framework an object belongs to depends on its type only (the
+# checks below are isinstance checks), so a type is classified once; types that are not arrays are never stored.
+_FRAMEWORK_OF_TYPE: dict[type, str] = {}
+
+
 def _framework(obj: object, name: str) -> str:
     """Which framework `obj` belongs to, or ArgumentTypeError naming what it is instead."""
+    framework = _FRAMEWORK_OF_TYPE.get(type(obj))
+    if framework is None:
+        framework = _classify(obj, name)
+        _FRAMEWORK_OF_TYPE[type(obj)] = framework
+    return framework
+
+
+def _classify(obj: object, name: str) -> str:
     if isinstance(obj, np.ndarray):
         return "numpy"
     root = (type(obj).__module__ or "").partition(".")[0]
@@ -128,6 +166,8 @@ def _framework(obj: object, name: str) -> str:
 
 def _is_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
     """C-order contiguity with torch's rules: size-1 dims are free, any size-0 dim makes the array contiguous."""
+    if len(shape) == 2 and strides[1] == 1 and strides[0] == shape[1]:
+        return True  # the common case: exactly C strides
     if any(size == 0 for size in shape):
         return True
     expected = 1
@@ -148,6 +188,9 @@ def _c_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+_DTYPE_NAMES: dict[Any, str] = {}  # NumPy/CuPy dtype -> name, and torch dtype -> name (both hashable)
+
+
 def _dtype_name(dtype: Any) -> str:
     # NumPy, CuPy and JAX dtypes are numpy dtypes (ml_dtypes provides bfloat16/float8 names); anything else
     # (a JAX extended dtype such as a PRNG key) keeps its own spelling so the error can show it.
@@ -160,23 +203,32 @@ def _dtype_name(dtype: Any) -> str:
 def _strided_info(obj: Any, name: str, framework: str, device: tuple[str, int]) -> ArrayInfo:
     """NumPy and CuPy: strides come in bytes."""
     shape = tuple(int(s) for s in obj.shape)
-    itemsize = obj.dtype.itemsize
+    dtype = obj.dtype
+    itemsize = dtype.itemsize
     byte_strides = tuple(int(s) for s in obj.strides)
     if itemsize == 0 or any(s % itemsize for s in byte_strides):
         raise ArgumentError(
             with_rank(f"{name} has byte strides {byte_strides} that are not multiples of its itemsize {itemsize}")
         )
-    strides = tuple(s // itemsize for s in byte_strides)
-    return ArrayInfo(framework, _dtype_name(obj.dtype), shape, strides, device, _is_contiguous(shape, strides))
+    strides = byte_strides if itemsize == 1 else tuple(s // itemsize for s in byte_strides)
+    dtype_name = _DTYPE_NAMES.get(dtype)
+    if dtype_name is None:
+        dtype_name = _DTYPE_NAMES[dtype] = _dtype_name(dtype)
+    return _info(framework, dtype_name, shape, strides, device, _is_contiguous(shape, strides))
 
 
 def _torch_info(obj: Any) -> ArrayInfo:
-    shape = tuple(int(s) for s in obj.shape)
-    strides = tuple(int(s) for s in obj.stride())
-    kind = obj.device.type
-    device = (kind, 0 if obj.device.index is None else int(obj.device.index))
-    dtype = str(obj.dtype).removeprefix("torch.")  # torch.bfloat16 -> bfloat16, torch.bool -> bool
-    return ArrayInfo("torch", dtype, shape, strides, device, _is_contiguous(shape, strides))
+    shape = tuple(obj.shape)  # torch.Size holds ints
+    strides = obj.stride()
+    if obj.is_cuda:
+        device = ("cuda", obj.get_device())  # get_device() is the ordinal, without building a torch.device
+    else:
+        dev = obj.device
+        device = (dev.type, 0 if dev.index is None else int(dev.index))
+    dtype = _DTYPE_NAMES.get(obj.dtype)
+    if dtype is None:  # torch.bfloat16 -> bfloat16, torch.bool -> bool
+        dtype = _DTYPE_NAMES[obj.dtype] = str(obj.dtype).removeprefix("torch.")
+    return _info("torch", dtype, shape, strides, device, _is_contiguous(shape, strides))
 
 
 def _jax_info(obj: Any, name: str) -> ArrayInfo:
@@ -209,12 +261,12 @@ def describe(obj: Any, name: str) -> ArrayInfo:
     path). Anything else raises :class:`~epjit.errors.ArgumentTypeError` naming `name` and the object's type.
     """
     framework = _framework(obj, name)
-    if framework == "numpy":
-        return _strided_info(obj, name, "numpy", ("cpu", 0))
-    if framework == "cupy":
-        return _strided_info(obj, name, "cupy", ("cuda", int(obj.data.device_id)))
     if framework == "torch":
         return _torch_info(obj)
+    if framework == "cupy":
+        return _strided_info(obj, name, "cupy", ("cuda", int(obj.data.device_id)))
+    if framework == "numpy":
+        return _strided_info(obj, name, "numpy", ("cpu", 0))
     return _jax_info(obj, name)
 
 
@@ -244,6 +296,13 @@ def _fmt_dim(dim: Dim) -> str:
 
 def _dim_size(dim: Dim) -> int | None:
     """The size a spec entry requires, or None for any size."""
+    kind = type(dim)
+    if kind is int:
+        return dim  # type: ignore[return-value]
+    if kind is str or dim is None:
+        return None
+    if kind is tuple and len(dim) == 2 and type(dim[0]) is str and type(dim[1]) is int:  # type: ignore[arg-type]
+        return dim[1]  # type: ignore[index,return-value]
     if isinstance(dim, bool) or not isinstance(dim, (int, str, tuple, type(None))):
         raise TypeError(f"shape spec entries are int, str, None or (name, int), got {dim!r}")
     if isinstance(dim, tuple):
@@ -264,6 +323,9 @@ def _contiguous_hint(info: ArrayInfo, name: str) -> str:
         "numpy": f"; pass numpy.ascontiguousarray({name})",
         "cupy": f"; pass cupy.ascontiguousarray({name})",
     }.get(info.framework, "")
+
+
+_WANTED_DTYPES: dict[Any, tuple[str, ...]] = {}  # check()'s dtype argument -> the validated names
 
 
 def check(
@@ -297,10 +359,15 @@ def check(
 
     Checks run in this order: type, dtype, shape, device, contiguity.
     """
-    wanted = (dtype,) if isinstance(dtype, str) else tuple(dtype)
-    unknown = [d for d in wanted if d not in DTYPES]
-    if not wanted or unknown:
-        raise ValueError(f"check(dtype=...) takes names from {DTYPES}, got {dtype!r}")
+    try:
+        wanted = _WANTED_DTYPES[dtype]
+    except (KeyError, TypeError):  # not seen yet (or unhashable): validate the spec itself
+        wanted = (dtype,) if isinstance(dtype, str) else tuple(dtype)
+        unknown = [d for d in wanted if d not in DTYPES]
+        if not wanted or unknown:
+            raise ValueError(f"check(dtype=...) takes names from {DTYPES}, got {dtype!r}") from None
+        if isinstance(dtype, (str, tuple)):
+            _WANTED_DTYPES[dtype] = wanted
     if shape is not None and ndim is not None and ndim != len(shape):
         raise ValueError(f"check() got ndim={ndim} and a shape spec of {len(shape)} dimensions")
 
@@ -310,8 +377,15 @@ def check(
         raise ArgumentTypeError(with_rank(f"{name} must be {_fmt_dtypes(wanted)}, got {info.dtype}"))
 
     if shape is not None:
-        sizes = [_dim_size(d) for d in shape]
-        if len(shape) != info.ndim or any(s is not None and s != got for s, got in zip(sizes, info.shape, strict=True)):
+        sizes = [_dim_size(d) for d in shape]  # every entry, so that a bad spec always raises
+        got = info.shape
+        mismatch = len(sizes) != len(got)
+        if not mismatch:
+            for size, got_size in zip(sizes, got, strict=True):
+                if size is not None and size != got_size:
+                    mismatch = True
+                    break
+        if mismatch:
             desc = "[" + ", ".join(_fmt_dim(d) for d in shape) + "]"
             note = f" {shape_note}" if shape_note else ""
             raise ArgumentError(with_rank(f"{name} must have shape {desc}{note}, got {_fmt_shape(info.shape)}"))
@@ -430,8 +504,11 @@ class _Retyped:
         return capsule
 
 
-def to_cupy(obj: Any, name: str) -> Any:
+def to_cupy(obj: Any, name: str, info: ArrayInfo | None = None) -> Any:
     """A ``cupy.ndarray`` viewing the same GPU memory as `obj` (a torch, JAX or CuPy array); never a copy.
+
+    `info` is what :func:`check` or :func:`describe` returned for `obj`, when the caller has it (saves reading it
+    again).
 
     The view has `obj`'s shape and strides. bfloat16 arrives as ml_dtypes' ``bfloat16``. FP8 arrives as ``uint8``
     of the same shape, because CuPy has no float8 dtype: torch is reinterpreted in place (``.view(torch.uint8)``),
@@ -446,16 +523,12 @@ def to_cupy(obj: Any, name: str) -> Any:
 
     Raises ArgumentTypeError for NumPy arrays, CPU tensors and anything not an array.
     """
-    info = describe(obj, name)
+    if info is None:
+        info = describe(obj, name)
     if info.framework == "cupy":
         return obj
     if info.device[0] != "cuda":
-        raise ArgumentTypeError(
-            with_rank(
-                f"{name} must be on a CUDA device to reach epjit's kernels, got a {_NOUN[info.framework]} on "
-                f"{_location(info)}"
-            )
-        )
+        _refuse_host_array(info, name)
     cupy = _import_cupy()
     if info.framework == "torch":
         tensor = obj.detach()  # DLPack refuses tensors that require grad; detach() shares the storage
@@ -483,6 +556,75 @@ def to_cupy(obj: Any, name: str) -> Any:
             )
         )
     return view
+
+
+def _refuse_host_array(info: ArrayInfo, name: str) -> None:
+    raise ArgumentTypeError(
+        with_rank(
+            f"{name} must be on a CUDA device to reach epjit's kernels, got a {_NOUN[info.framework]} on "
+            f"{_location(info)}"
+        )
+    )
+
+
+def kernel_arg(obj: Any, info: ArrayInfo, name: str) -> Any:
+    """What a kernel launch takes for `obj`, which :func:`check` described as `info`: the device address of its
+    first element (an ``int``) for torch tensors and CuPy arrays, read directly (no DLPack exchange, no view; FP8
+    needs no reinterpreting either); a CuPy view (:func:`to_cupy`) for JAX arrays, whose DLPack export is what
+    orders JAX's pending work before CuPy's current stream.
+
+    Streams: a torch tensor's address comes with no synchronisation. ``to_cupy`` would have made CuPy's current
+    stream wait for torch's current stream; epjit's Buffer makes them the same stream for torch callers, so that
+    wait is a no-op there. Other callers must order the work that produces `obj` themselves. The address is valid
+    while `obj` lives: keep `obj` referenced until the kernels that read it are queued.
+
+    Raises ArgumentTypeError for arrays not on a CUDA device (NumPy arrays, CPU tensors).
+    """
+    framework = info.framework
+    if info.device[0] != "cuda":
+        _refuse_host_array(info, name)
+    if framework == "torch":
+        return obj.data_ptr()
+    if framework == "cupy":
+        return obj.data.ptr
+    return to_cupy(obj, name, info)
+
+
+_TORCH_TYPES: dict[tuple[str, int], tuple[Any, Any]] = {}  # (dtype name, ordinal) -> (torch dtype, torch device)
+
+
+def empty(framework: str, shape: tuple[int, ...], dtype: str, device: int) -> Any:
+    """A new, uninitialised, C-contiguous array of `framework` (``"torch"`` or ``"cupy"``) on CUDA device `device`.
+
+    `dtype` is a name from :data:`DTYPES`; CuPy, which has no float8 dtype, gets FP8 as uint8 storage. torch
+    allocates from its caching allocator for its current stream of that device, CuPy from its pool for CuPy's
+    current stream: whoever writes the array on another stream orders that stream after the allocating one (and,
+    if the array may be freed before that writing is done, tells the allocator; torch: ``record_stream``).
+    JAX arrays are immutable and cannot be allocated to be written: use CuPy and :func:`from_cupy`.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"empty(dtype=...) takes a name from {DTYPES}, got {dtype!r}")
+    if framework == "torch":
+        found = _TORCH_TYPES.get((dtype, device))
+        if found is None:
+            torch = _loaded("torch")
+            if torch is None:
+                import torch
+            found = _TORCH_TYPES[(dtype, device)] = (getattr(torch, dtype), torch.device("cuda", device))
+        return _loaded("torch").empty(shape, dtype=found[0], device=found[1])
+    if framework == "cupy":
+        cupy = _import_cupy()
+        with cupy.cuda.Device(device):
+            return cupy.empty(shape, dtype=np.uint8 if dtype in _KDL_FLOAT8 else _numpy_dtype(dtype))
+    raise ArgumentError(with_rank(f"empty() allocates torch or CuPy arrays, not {framework!r}"))
+
+
+def _numpy_dtype(name: str) -> Any:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
 
 
 def from_cupy(arr: Any, framework: str, *, dtype: str | None = None, name: str = "output") -> Any:

@@ -207,3 +207,21 @@ def test_import_epjit_touches_nothing():
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_arg_format_packs_what_pack_casts():
+    """The launcher's one-call packing puts each argument, in its C type, in its own 8-byte slot."""
+    import struct
+
+    spec = next(s for s in check_specs() if s.family == "barrier.num_nvl_ranks=4")
+    fmt = spec.arg_format("nvl_exchange_check")
+    args = (0x7F00_0000_1000, 5, 1 << 16, -1, 0)
+    block = bytearray(fmt.size)
+    fmt.pack_into(block, 0, *args)
+    assert fmt.size == 8 * len(args)
+    for i, value in enumerate(spec.pack("nvl_exchange_check", args)):
+        raw = np.asarray(value).tobytes()
+        assert bytes(block[8 * i:8 * i + len(raw)]) == raw, i
+    for bad in [(0, 1 << 32, 1, 1, 0), (0, 1.5, 1, 1, 0), (None, 1, 1, 1, 0), (-1, 1, 1, 1, 0), (0, 1)]:
+        with pytest.raises(struct.error):  # the launcher then takes pack()'s path, which names the argument
+            fmt.pack_into(block, 0, *bad)

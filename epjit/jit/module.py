@@ -2,11 +2,20 @@
 
 Loading is per device and cached in the process; NVSHMEM modules are handed to ``cumodule_init`` once after load,
 before their first launch (NVSHMEM patches the module's device-side state there).
+
+Launching sits on the path of every call, so it costs a few microseconds: each kernel gets, once, a parameter block
+(one 8-byte slot per argument) and the array of pointers to those slots that ``cuLaunchKernel`` takes; a launch
+packs all arguments into the block with one ``struct.pack_into`` and calls the driver. Arguments that call cannot
+pack (None, CuPy arrays, values of the wrong type or range) take CuPy's launch path after
+:meth:`~epjit.jit.spec.KernelSpec.pack`, which casts them or raises naming the argument.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import struct
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -14,9 +23,31 @@ from typing import Any
 from ..env import settings
 from ..errors import CompileError, SetupError, with_rank
 from .compiler import CompiledModule, compile_spec, normalize_arch
-from .spec import KernelSpec
+from .spec import ARG_SLOT_BYTES, KernelSpec
 
 log = logging.getLogger("epjit.jit")
+
+_FAST_PACK_ERRORS = (struct.error, TypeError, ValueError, OverflowError)
+
+
+class _Kernel:
+    """One kernel's launch state: the CuPy kernel, and the parameter block the fast path packs into."""
+
+    __slots__ = ("fn", "ptr", "packer", "block", "params", "params_ptr", "lock", "max_shared")
+
+    def __init__(self, fn: Any, packer: struct.Struct | None, num_args: int) -> None:
+        self.fn = fn  # a cupy.RawKernel
+        self.ptr = int(fn.kernel.ptr)  # its CUfunction on the current device (the module's: see load())
+        self.packer = packer  # None: a C type the fast path does not know; every launch takes pack()'s path
+        self.block = ctypes.create_string_buffer(max(packer.size if packer is not None else 0, 1))
+        base = ctypes.addressof(self.block)
+        self.params = (ctypes.c_void_p * max(num_args, 1))(*(base + ARG_SLOT_BYTES * i for i in range(num_args)))
+        self.params_ptr = ctypes.addressof(self.params)
+        # The block is shared by every launch of this kernel: the lock keeps a second thread from repacking it
+        # while the driver (which may run without the GIL) reads it. cuLaunchKernel copies the values.
+        self.lock = threading.Lock()
+        self.max_shared = 48 * 1024  # dynamic shared memory allowed without raising the function's limit
+
 
 _loaded: dict[tuple[Path, int], Module] = {}
 
@@ -46,9 +77,21 @@ class Module:
             self._functions = {k: self.raw.get_function(name) for k, name in compiled.lowered_names.items()}
         except cupy.cuda.driver.CUDADriverError as e:
             raise CompileError(with_rank(f"cannot load {compiled.cubin_path} on cuda:{device}: {e}")) from e
+        from cupy_backends.cuda.api import driver
+
+        self._launch_kernel = driver.launchKernel
+        self._current_stream = cupy.cuda.get_current_stream
+        self._kernels = {k: _Kernel(fn, self._arg_format(k), len(self.spec.KERNELS[k]))
+                         for k, fn in self._functions.items()}
         self._nvshmem_initialised = False
         if self.spec.USES_NVSHMEM:
             self._init_nvshmem()
+
+    def _arg_format(self, kernel: str) -> struct.Struct | None:
+        try:
+            return self.spec.arg_format(kernel)
+        except TypeError:  # pack() raises it, naming the argument, when the kernel is launched
+            return None
 
     def _init_nvshmem(self) -> None:
         try:
@@ -64,15 +107,39 @@ class Module:
 
     def launch(self, kernel: str, grid: int | tuple[int, ...], block: int | tuple[int, ...], *args: Any,
                shared_mem: int = 0, stream: Any = None) -> None:
-        fn = self._functions.get(kernel)
-        if fn is None:
+        """Launch `kernel` on `stream` (default: CuPy's current stream). Arguments in signature order: ints
+        (addresses for pointer parameters), floats, bools, None (a null pointer) or CuPy arrays (their address).
+        Only integers and CuPy arrays are taken as addresses: a torch tensor is not an argument (pass
+        ``data_ptr()``). A grid or block size below 1 is launched as 1, as CuPy does."""
+        k = self._kernels.get(kernel)
+        if k is None:
             raise KeyError(f"{self.spec.family} has no kernel {kernel!r}; it has {sorted(self._functions)}")
-        grid = grid if isinstance(grid, tuple) else (int(grid),)
-        block = block if isinstance(block, tuple) else (int(block),)
+        if shared_mem > k.max_shared:
+            k.fn.max_dynamic_shared_size_bytes = shared_mem
+            k.max_shared = shared_mem
+        if type(grid) is int and type(block) is int:
+            gx, gy, gz, bx, by, bz = grid if grid > 1 else 1, 1, 1, block if block > 1 else 1, 1, 1
+        else:
+            g = (grid if isinstance(grid, tuple) else (int(grid),)) + (1, 1)
+            b = (block if isinstance(block, tuple) else (int(block),)) + (1, 1)
+            gx, gy, gz = max(1, g[0]), max(1, g[1]), max(1, g[2])
+            bx, by, bz = max(1, b[0]), max(1, b[1]), max(1, b[2])
+        stream_ptr = (stream if stream is not None else self._current_stream()).ptr
+        packer = k.packer
+        if packer is not None:
+            with k.lock:
+                try:
+                    packer.pack_into(k.block, 0, *args)
+                except _FAST_PACK_ERRORS:
+                    pass  # something only pack() converts (or reports): CuPy's path below
+                else:
+                    try:
+                        self._launch_kernel(k.ptr, gx, gy, gz, bx, by, bz, shared_mem, stream_ptr, k.params_ptr, 0)
+                        return
+                    except Exception:  # noqa: BLE001 - e.g. no current context on this thread: CuPy's path sets
+                        pass  # one up, and raises the error again if it is real (a failed launch queued nothing)
         packed = self.spec.pack(kernel, args)
-        if shared_mem > 48 * 1024:
-            fn.max_dynamic_shared_size_bytes = shared_mem
-        fn(grid, block, packed, shared_mem=shared_mem, stream=stream)
+        k.fn((gx, gy, gz), (bx, by, bz), packed, shared_mem=shared_mem, stream=stream)
 
     def close(self) -> None:
         if self._nvshmem_initialised:

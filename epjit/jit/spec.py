@@ -4,12 +4,14 @@ A spec's fields are the kernel templates' parameters in declaration order (``num
 so the instantiation string is rendered from the spec, never glued by hand, and ``tests/test_specs.py`` checks
 every spec against its ``.cu`` signature. Each kernel's runtime arguments are declared with their exact C types,
 and :meth:`KernelSpec.pack` casts every Python scalar to that type: CuPy passes a bare ``int`` as int64, which
-into an ``int`` parameter silently shifts every later argument.
+into an ``int`` parameter silently shifts every later argument. :meth:`KernelSpec.arg_format` gives the same types
+as one ``struct`` format, which the launcher's fast path packs every argument with in a single call.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import struct
 from pathlib import PurePath
 from typing import Any, ClassVar
 
@@ -28,6 +30,23 @@ SCALAR_TYPES: dict[str, type] = {
     "double": np.float64,
     "bool": np.bool_,
 }
+
+
+# C scalar type -> struct code of the same size ("=" formats: standard sizes, no implicit alignment). Pointers
+# travel as addresses ("Q").
+STRUCT_CODES: dict[str, str] = {
+    "int": "i",
+    "int32_t": "i",
+    "unsigned": "I",
+    "uint32_t": "I",
+    "int64_t": "q",
+    "long long": "q",
+    "uint64_t": "Q",
+    "float": "f",
+    "double": "d",
+    "bool": "?",
+}
+ARG_SLOT_BYTES = 8  # arg_format gives every argument its own 8-byte slot: argument i is at byte 8 * i
 
 
 def camel_param(field_name: str) -> str:
@@ -72,6 +91,14 @@ class KernelSpec:
     def name_expressions(self) -> dict[str, str]:
         return {kernel: self.name_expression(kernel) for kernel in self.KERNELS}
 
+    def arg_format(self, kernel: str) -> struct.Struct:
+        """The kernel's arguments as one ``struct`` layout, each in its own 8-byte slot at byte ``8 * i`` (the
+        launcher passes the driver a pointer to each slot). Packing with it checks what :meth:`pack` checks for
+        ints and addresses (an integer that fits the C type); anything it refuses (None, a CuPy array, a float for
+        an int, an overflow) raises ``struct.error``, and the launcher then takes :meth:`pack`'s path, whose
+        errors name the argument."""
+        return _arg_format(type(self), kernel)
+
     def pack(self, kernel: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """Cast each argument to the exact C type of the kernel's parameter (arrays pass as pointers)."""
         converters = _converters(type(self), kernel)
@@ -82,6 +109,22 @@ class KernelSpec:
 
 
 _CONVERTERS: dict[tuple[type, str], list[Any]] = {}
+_ARG_FORMATS: dict[tuple[type, str], struct.Struct] = {}
+
+
+def _arg_format(spec_type: type, kernel: str) -> struct.Struct:
+    key = (spec_type, kernel)
+    found = _ARG_FORMATS.get(key)
+    if found is None:
+        codes = []
+        for name, ctype in spec_type.KERNELS[kernel]:
+            code = "Q" if ctype.endswith("*") else STRUCT_CODES.get(ctype)
+            if code is None:
+                raise TypeError(f"{kernel}: argument {name} has C type {ctype!r}, which the packer does not know")
+            pad = ARG_SLOT_BYTES - struct.calcsize("=" + code)
+            codes.append(code + (f"{pad}x" if pad else ""))
+        found = _ARG_FORMATS[key] = struct.Struct("=" + "".join(codes))
+    return found
 
 
 def _converters(spec_type: type, kernel: str) -> list[Any]:
