@@ -19,6 +19,7 @@
 // st.release.sys of the head; sender ld.acquire.sys of the head before it overwrites a slot.
 #include "barrier.cuh"
 #include "bf16.cuh"
+#include "copy.cuh"
 #include "intranode.cuh"
 #include "ptx.cuh"
 #include "wait.cuh"
@@ -37,35 +38,6 @@ __device__ __forceinline__ void channel_range(int num_tokens, int num_channels, 
     const int per = (num_tokens + num_channels - 1) / num_channels;
     begin = min(channel * per, num_tokens);
     end = min(begin + per, num_tokens);
-}
-
-__device__ __forceinline__ float ld_volatile_f32(const float* p) {
-    return __int_as_float(ptx::ld_volatile_s32(reinterpret_cast<const int*>(p)));
-}
-
-// n int4 from src to dst with one warp, kInFlight 16-byte loads per lane issued before their stores: bytes in
-// flight are what keeps NVLink busy (one warp: 32 x 16 x kInFlight bytes). Load is the (read-only or
-// ring) load wrapper: `.nc` for inputs nobody writes during the kernel, volatile for ring slots a peer wrote.
-template <int kInFlight, typename Load>
-__device__ __forceinline__ void warp_copy_with(int4* dst, const int4* src, int n, int lane, Load load) {
-    int i = lane;
-    for (; i + 32 * (kInFlight - 1) < n; i += 32 * kInFlight) {
-        int4 v[kInFlight];
-#pragma unroll
-        for (int j = 0; j < kInFlight; ++j) v[j] = load(src + i + 32 * j);
-#pragma unroll
-        for (int j = 0; j < kInFlight; ++j) ptx::st_global_L1_no_allocate_v4(dst + i + 32 * j, v[j]);
-    }
-    for (; i < n; i += 32) ptx::st_global_L1_no_allocate_v4(dst + i, load(src + i));
-}
-
-__device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int lane) {
-    warp_copy_with<8>(dst, src, n, lane, [](const int4* p) { return ptx::ld_global_nc_L1_no_allocate_v4(p); });
-}
-
-// From a ring slot another GPU wrote during this kernel: the non-coherent path must not serve it.
-__device__ __forceinline__ void warp_copy_from_ring(int4* dst, const int4* src, int n, int lane) {
-    warp_copy_with<8>(dst, src, n, lane, [](const int4* p) { return ptx::ld_volatile_global_v4(p); });
 }
 
 // A sender's flow control: before a chunk, wait until the ring (channel, me) at the receiver has room for a whole
@@ -350,7 +322,7 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
             for (int i = head + warp_in_rank; i < tail; i += group_warps) {
                 const int slot = i % num_slots;
                 const int64_t row = row0 + i;
-                warp_copy_from_ring(recv_x + row * x_row_int4, mine.x_slot(q, slot), x_row_int4, lane);
+                warp_copy_peer_written(recv_x + row * x_row_int4, mine.x_slot(q, slot), x_row_int4, lane);
                 if (lane == 0) recv_src_idx[row] = ptx::ld_volatile_s32(mine.src_slot(q, slot));
                 if (recv_topk_idx != nullptr && lane < num_topk) {
                     recv_topk_idx[row * num_topk + lane] = ptx::ld_volatile_s32(mine.topk_idx_slot(q, slot) + lane);

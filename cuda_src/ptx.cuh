@@ -114,6 +114,15 @@ __device__ __forceinline__ void bar_sync(int id, int num_threads) {
     asm volatile("bar.sync %0, %1;" : : "r"(id), "r"(num_threads) : "memory");
 }
 
+/// Conversions
+// Two floats to two e4m3 bytes, round to nearest even, saturating to +-448 (`satfinite`): `hi` lands in the upper
+// byte. sm_89 and later.
+__device__ __forceinline__ uint16_t cvt_rn_satfinite_e4m3x2_f32(float hi, float lo) {
+    uint16_t v;
+    asm volatile("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(v) : "f"(hi), "f"(lo));
+    return v;
+}
+
 /// Timers
 // %globaltimer counts nanoseconds (coarse ticks, ~1 us on Hopper) and is the same clock on every SM, so a
 // timeout measured with it does not depend on the SM clock or on which SM a block landed on.

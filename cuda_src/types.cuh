@@ -7,6 +7,7 @@
 
 using cuda::std::int32_t;
 using cuda::std::int64_t;
+using cuda::std::uint16_t;
 using cuda::std::uint32_t;
 using cuda::std::uint64_t;
 using cuda::std::uint8_t;

@@ -22,6 +22,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .kernels.low_latency import deepep_low_latency_size_hint
+
 PLAIN_STORE_CEILING_GBS = 345.0  # DESIGN.md, 4 x H200, 16-byte stores from all SMs, all ranks to all peers
 
 
@@ -82,13 +84,29 @@ def run(args: argparse.Namespace) -> list[Row]:
     import torch.distributed as dist
 
     import epjit
-    from epjit.config import Config, get_dispatch_config
 
     group = epjit.init()
     torch.cuda.set_device(group.device)
     port = int(group.bcast_bytes(str(_free_port()).encode() if group.rank == 0 else None).decode())
     dist.init_process_group("nccl", init_method=f"tcp://{group.hosts[0]}:{port}", rank=group.rank,
                             world_size=group.size, device_id=torch.device("cuda", group.device))
+    rows: list[Row] = []
+    normal_modes = [m for m in args.modes if not m.startswith("ll-")]
+    ll_modes = [m for m in args.modes if m.startswith("ll-")]
+    try:
+        if ll_modes:
+            rows += _bench_low_latency(group, dist, args, ll_modes)
+        if normal_modes:
+            rows += _bench_normal(group, dist, args, normal_modes)
+    finally:
+        dist.destroy_process_group()
+    return rows
+
+
+def _bench_normal(group: Any, dist: Any, args: argparse.Namespace, modes: list[str]) -> list[Row]:
+    import epjit
+    from epjit.config import Config, get_dispatch_config
+
     r = group.size
     hint = epjit.Buffer.get_normal_size_hint(r, max(args.hidden), args.topk, args.experts,
                                              Config(max(args.sms), 1, args.chunk_recv))
@@ -100,13 +118,145 @@ def run(args: argparse.Namespace) -> list[Row]:
                 for sms in args.sms:
                     chunk = args.chunk_send or get_dispatch_config(group.size).nvl_chunk_send
                     cfg = Config(sms, chunk, args.chunk_recv)
-                    for mode in args.modes:
+                    for mode in modes:
                         rows.append(_bench_case(buf, group, dist, mode, tokens, hidden, args, cfg))
                         if group.rank == 0:
                             _print_row(rows[-1])
     finally:
         buf.close()
-        dist.destroy_process_group()
+    return rows
+
+
+def _graph(fn: Any, warmup: Any = None) -> Any:
+    """``fn`` captured once in a torch CUDA graph, after two eager calls of ``warmup`` (default: ``fn``) on the
+    capture stream (CuPy's memory pool is per stream: the capture must find its blocks there)."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            (warmup or fn)()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    return graph
+
+
+def _median_halves_us(first: Any, second: Any, group: Any, repeat: int) -> tuple[float, float]:
+    """Medians of two back-to-back steps (a send half, then its receive half), timed separately."""
+    import torch
+
+    for _ in range(3):
+        first()
+        second()
+    torch.cuda.synchronize()
+    a, b = [], []
+    for _ in range(repeat):
+        group.barrier()
+        e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        e[0].record()
+        first()
+        e[1].record()
+        second()
+        e[2].record()
+        e[2].synchronize()
+        a.append(e[0].elapsed_time(e[1]) * 1e3)
+        b.append(e[1].elapsed_time(e[2]) * 1e3)
+    return statistics.median(a), statistics.median(b)
+
+
+def _bench_low_latency(group: Any, dist: Any, args: argparse.Namespace, modes: list[str]) -> list[Row]:
+    """Low-latency dispatch (FP8) and combine (bf16), each timed over CUDA-graph replays, beside NCCL moving the
+    same (token, expert) messages; with ll-hook, the send and receive halves of each, timed separately."""
+    import epjit
+
+    r, rank, hidden, experts = group.size, group.rank, args.hidden[0], args.experts
+    max_tokens = max(args.ll_tokens)
+    buf = epjit.Buffer(group, low_latency_mode=True, num_max_dispatch_tokens_per_rank=max_tokens, hidden=hidden,
+                       num_experts=experts)
+    if rank == 0:
+        deepep = deepep_low_latency_size_hint(max_tokens, hidden, r, experts)
+        print(f"low-latency buffer: {buf.num_rdma_bytes / 2**20:.1f} MiB per rank for {max_tokens} tokens x {hidden} "
+              f"x {experts} experts (DeepEP's formula: {deepep / 2**20:.1f} MiB)", flush=True)
+    rows: list[Row] = []
+    try:
+        for tokens in args.ll_tokens:
+            for row in _bench_low_latency_case(buf, group, dist, args, modes, tokens):
+                rows.append(row)
+                if rank == 0:
+                    _print_row(row)
+    finally:
+        buf.close()
+    return rows
+
+
+def _nccl_bytes_us(dist: Any, group: Any, send_rows: list[int], recv_rows: list[int], row_bytes: int,
+                   repeat: int) -> float:
+    """NCCL all_to_all_single moving these rows of ``row_bytes`` bytes (as uint8)."""
+    import torch
+
+    inp = torch.empty(sum(send_rows), row_bytes, dtype=torch.uint8, device="cuda")
+    out = torch.empty(sum(recv_rows), row_bytes, dtype=torch.uint8, device="cuda")
+    return _median_us(lambda: dist.all_to_all_single(out, inp, recv_rows, send_rows), group, repeat)
+
+
+def _bench_low_latency_case(buf: Any, group: Any, dist: Any, args: argparse.Namespace, modes: list[str],
+                            tokens: int) -> list[Row]:
+    import torch
+
+    r, rank, hidden, experts, topk = group.size, group.rank, buf.hidden, buf.num_experts, args.topk
+    max_tokens, num_local = buf.num_max_dispatch_tokens_per_rank, experts // r
+    rows: list[Row] = []
+    idx, w = _routing(tokens, topk, experts, seed=4321 + rank)
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    y = torch.randn(num_local, r * max_tokens, hidden, device="cuda").to(torch.bfloat16)
+    pairs = [int(v) for v in torch.bincount(idx.flatten() // num_local, minlength=r).tolist()]
+    recv_pairs = [int(p[rank]) for p in group.allgather_object(pairs)]
+    msg = hidden + hidden // 128 * 4 + 16
+    d = buf.low_latency_dispatch(x, idx, max_tokens, experts)
+    handle = d.handle
+    timed: dict[str, float] = {}
+    if "ll-dispatch" in modes:
+        g = _graph(lambda: buf.low_latency_dispatch(x, idx, max_tokens, experts))
+        timed["ll-dispatch"] = _median_us(g.replay, group, args.repeat)
+    if "ll-combine" in modes:
+        g = _graph(lambda: buf.low_latency_combine(y, idx, w, handle))
+        timed["ll-combine"] = _median_us(g.replay, group, args.repeat)
+    if "ll-hook" in modes:
+        # Each half in its own graph: the send half's capture leaves its hook pending, the receive half's runs it.
+        held: list[Any] = []
+        halves = {
+            "ll-dispatch": lambda: held.append(buf.low_latency_dispatch(x, idx, max_tokens, experts,
+                                                                        return_recv_hook=True)),
+            "ll-combine": lambda: held.append(buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True)),
+        }
+        for name, send_half in halves.items():
+            send = _graph(send_half, warmup=lambda: (send_half(), held.pop().hook()))  # noqa: B023
+            recv = _graph(lambda: held.pop().hook(), warmup=lambda: None)
+            timed[f"{name}-send"], timed[f"{name}-recv"] = _median_halves_us(send.replay, recv.replay, group,
+                                                                              args.repeat)
+    nccl: dict[str, float | None] = {"dispatch": None, "combine": None}
+    if not args.no_nccl:
+        nccl["dispatch"] = _nccl_bytes_us(dist, group, pairs, recv_pairs, msg, args.repeat)
+        nccl["combine"] = _nccl_bytes_us(dist, group, recv_pairs, pairs, 2 * hidden, args.repeat)
+    all_times = group.allgather_object((timed, nccl))
+    for mode in timed:
+        t = max(a[0][mode] for a in all_times)
+        kind = "combine" if "combine" in mode else "dispatch"
+        peer = [a[1][kind] for a in all_times]
+        nccl_us = max(peer) if None not in peer else None
+        row_bytes = msg if kind == "dispatch" else 2 * hidden
+        moved = sum(pairs) * row_bytes  # DESIGN.md: valid (token, expert) pairs x message bytes
+        out_bytes = (sum(pairs) - pairs[rank]) * row_bytes
+        rows.append(Row(mode, tokens, hidden, topk, experts, buf._ll.num_sms if buf._ll else 0, r,
+                        round(t, 1), round(nccl_us, 1) if nccl_us else None,
+                        round(out_bytes / (t * 1e-6) / 1e9, 1), round(moved / (t * 1e-6) / 1e9, 1),
+                        round(out_bytes / (nccl_us * 1e-6) / 1e9, 1) if nccl_us else None,
+                        round(nccl_us / t, 2) if nccl_us else None,
+                        round(100 * out_bytes / (t * 1e-6) / 1e9 / PLAIN_STORE_CEILING_GBS, 1)))
     return rows
 
 
@@ -196,7 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-send", type=int, default=0, help="tokens between tail updates (0: the default)")
     parser.add_argument("--chunk-recv", type=int, default=256)
     parser.add_argument("--modes", nargs="+", default=["dispatch", "dispatch-fp8", "combine"],
-                        choices=["dispatch", "dispatch-fp8", "combine"])
+                        choices=["dispatch", "dispatch-fp8", "combine", "ll-dispatch", "ll-combine", "ll-hook"],
+                        help="normal mode: dispatch, dispatch-fp8, combine; low latency (CUDA-graph replays): "
+                             "ll-dispatch (FP8), ll-combine, ll-hook (send and receive halves of each)")
+    parser.add_argument("--ll-tokens", type=int, nargs="+", default=[128],
+                        help="tokens per rank of the low-latency cases (the buffer holds the largest)")
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--no-nccl", action="store_true")
     parser.add_argument("--json", help="write the rows here (rank 0)")

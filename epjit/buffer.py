@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -30,6 +30,22 @@ from .errors import ArgumentError, ArgumentTypeError, EpjitError, SetupError, wi
 from .group import Group
 from .kernels import IntranodeNotifySpec, IntranodeSpec, LayoutSpec
 from .kernels.intranode import NUM_THREADS, intranode_min_nvl_bytes
+from .kernels.low_latency import (
+    FLAG_FP8,
+    FLAG_ROUND_SCALE,
+    FLAG_UE8M0,
+    LOW_LATENCY_MAX_TOPK,
+    LOW_LATENCY_THREADS,
+    PHASE_RECV,
+    PHASE_SEND,
+    STATUS_INVALID_IDS,
+    STATUS_LAYOUT_TOO_BIG,
+    STATUS_META_MISMATCH,
+    STATUS_SLOT_OVERFLOW,
+    SYNC_BYTES,
+    LowLatencySpec,
+    low_latency_size_hint,
+)
 from .memory import MappedHostArray, PeerMemory
 
 # Bits of the notify status (cuda_src/intranode.cu) and of the meta flags each rank announces.
@@ -47,19 +63,32 @@ def _cupy() -> Any:
     return cupy
 
 
+_NO_STREAM_CHANGE = contextlib.nullcontext()
+_STREAMS: dict[tuple[int, int], Any] = {}  # (torch stream address, device) -> CuPy stream object for it
+
+
 def _callers_stream(obj: Any) -> Any:
-    """A context that makes CuPy's current stream the caller's: torch's current stream for torch tensors (so a
-    call inside a torch side stream or a torch CUDA-graph capture is ordered, and captured, where the caller's
-    work is); CuPy's own current stream otherwise (JAX and CuPy callers)."""
+    """A context that makes CuPy's current stream the caller's: torch's current stream for torch tensors on a GPU
+    (so a call inside a torch side stream or a torch CUDA-graph capture is ordered, and captured, where the
+    caller's work is; torch tensors then reach the kernels by address, with no DLPack stream handshake, because
+    this is the stream they are used on); CuPy's own current stream otherwise (JAX and CuPy callers)."""
     if isinstance(obj, (tuple, list)) and obj:
         obj = obj[0]
-    if not type(obj).__module__.startswith("torch"):
-        return contextlib.nullcontext()
+    if not type(obj).__module__.startswith("torch") or not getattr(obj, "is_cuda", False):
+        return _NO_STREAM_CHANGE
     torch = sys.modules["torch"]
-    stream = torch.cuda.current_stream()
-    if stream.cuda_stream == 0:
-        return contextlib.nullcontext()  # torch's legacy default stream is CuPy's null stream
-    return _cupy().cuda.ExternalStream(stream.cuda_stream, stream.device.index)
+    device = torch.cuda.current_device()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # the address, without a torch.cuda.Stream object
+    ptr = raw(device) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    stream = _STREAMS.get((ptr, device))
+    if stream is None:
+        if len(_STREAMS) >= 64:  # streams come and go; the objects only wrap addresses
+            _STREAMS.clear()
+        cupy = _cupy()
+        # Address 0 is torch's legacy default stream, which is CuPy's null stream.
+        stream = cupy.cuda.Stream.null if ptr == 0 else cupy.cuda.ExternalStream(ptr, device)
+        _STREAMS[(ptr, device)] = stream
+    return stream
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -81,20 +110,61 @@ def _capturing() -> bool:
     return bool(_cupy().cuda.get_current_stream().is_capturing())
 
 
+def _address(arr: Any) -> int:
+    """Device address of a torch tensor or CuPy array (0 for None)."""
+    if arr is None:
+        return 0
+    data_ptr = getattr(arr, "data_ptr", None)  # torch
+    return data_ptr() if data_ptr is not None else arr.data.ptr
+
+
+def _bf16() -> Any:
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+# Configs and the NVLink bytes they need, computed once per distinct argument set (they sit on every call's path).
+@functools.lru_cache(maxsize=16)
+def _default_config(kind: str, num_ranks: int) -> Config:
+    return get_dispatch_config(num_ranks) if kind == "dispatch" else get_combine_config(num_ranks)
+
+
+@functools.lru_cache(maxsize=256)
+def _channels_config(num_sms: int, nvl_chunk_send: int, nvl_chunk_recv: int) -> Config:
+    return Config(num_sms, nvl_chunk_send, nvl_chunk_recv)
+
+
+@functools.lru_cache(maxsize=1024)
+def _nvl_need(config: Config, num_ranks: int, hidden: int, num_topk: int, num_experts: int, fp8: bool) -> int:
+    return config.nvl_bytes(num_ranks, hidden, num_topk, num_experts, fp8)
+
+
 class _Profile:
     """Host timestamps and stream events of the last call, when EPJIT_PROFILE=1 (off: every method is a no-op)."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.marks: list[tuple[str, float, Any]] = []
+        self._events: list[Any] = []  # reused call after call (creating an event costs microseconds)
+        self._used = 0
 
     def start(self) -> None:
         if self.enabled:
             self.marks = [("start", time.perf_counter(), None)]
+            self._used = 0
 
     def mark(self, name: str, stream: Any = None) -> None:
         if self.enabled:
-            self.marks.append((name, time.perf_counter(), stream.record() if stream is not None else None))
+            t = time.perf_counter()
+            event = None
+            if stream is not None:
+                if self._used == len(self._events):
+                    self._events.append(_cupy().cuda.Event())
+                event = self._events[self._used]
+                self._used += 1
+                event.record(stream)
+            self.marks.append((name, t, event))
 
     def report(self) -> dict[str, float]:
         """Microseconds: host time from the call's start to each mark, and GPU time between recorded events."""
@@ -139,13 +209,26 @@ class DispatchLayout:
     # [1] int32 on the GPU: top-k entries outside [-1, E) the layout kernel skipped; the next dispatch's notify
     # reports them on every rank (no host synchronisation here, so the layout can be captured in a CUDA graph).
     invalid_ids: Any = field(default=None, repr=False)
-    # The CuPy arrays behind the four above when get_dispatch_layout made them: dispatch skips re-importing them.
-    cupy_arrays: tuple[Any, ...] | None = field(default=None, repr=False)
+    # What get_dispatch_layout made (the arrays above and their kernel arguments): dispatch skips checking them.
+    made: _MadeLayout | None = field(default=None, repr=False)
+
+
+class _MadeLayout(NamedTuple):
+    per_rank: Any  # the DispatchLayout's arrays as get_dispatch_layout made them (identity tells they are unchanged)
+    per_expert: Any
+    in_rank: Any
+    per_rank_arg: Any  # their kernel arguments: addresses (or CuPy arrays)
+    per_expert_arg: Any
+    in_rank_arg: Any
+    in_rank_kept: Any  # what a handle keeps as is_token_in_rank
+    num_tokens: int
+    num_experts: int
 
 
 @dataclass
 class DispatchHandle:
-    """Everything combine (and a cached dispatch) needs to replay a routing. Arrays are CuPy, on this GPU."""
+    """Everything combine (and a cached dispatch) needs to replay a routing. Arrays are CuPy, on this GPU, except
+    is_token_in_rank: the layout's array that the dispatch read (a torch tensor for torch callers)."""
 
     rank_prefix_matrix: Any  # [R, R] int32: [i, j] = tokens ranks 0..i send to rank j
     channel_prefix_matrix: Any  # [R, C] int32: tokens of my channels 0..c bound for rank r
@@ -181,6 +264,78 @@ class CombineResult:
     event: Event
 
 
+@dataclass
+class LowLatencyHandle:
+    """What low-latency combine needs to send a dispatch's rows home. Arrays: the caller's framework (public) and
+    CuPy (internal)."""
+
+    src_info: Any  # [L, R*max] int32: source token index of each received row
+    layout_range: Any  # [L, R] int64: begin << 32 | count of each source's block
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+    num_topk: int
+    src_info_cupy: Any = field(repr=False)
+    layout_range_cupy: Any = field(repr=False)
+    topk_slot: Any = field(repr=False)  # [L, R*max] int32: which top-k slot of its token each row answers
+    buffer_id: int = field(default=0, repr=False)
+    pending: list[bool] = field(default_factory=lambda: [False], repr=False)  # its dispatch's hook not yet run
+
+
+@dataclass
+class LowLatencyDispatchResult:
+    x: Any  # [L, R*max, H] float8_e4m3fn or bf16; rows past recv_count[e] are garbage
+    x_scales: Any  # [L, R*max, H/128] float32 (uint8 exponents with use_ue8m0), or None for bf16
+    recv_count: Any  # [L] int32
+    handle: LowLatencyHandle
+    event: Event
+    hook: Callable[[], None] | None  # with return_recv_hook: runs the receive half (once)
+
+    @property
+    def src_info(self) -> Any:
+        return self.handle.src_info
+
+    @property
+    def layout_range(self) -> Any:
+        return self.handle.layout_range
+
+
+@dataclass
+class LowLatencyCombineResult:
+    x: Any  # [N, H] bf16
+    event: Event
+    hook: Callable[[], None] | None
+
+
+class _LowLatencyState:
+    """A low-latency Buffer's device words, kernels and bookkeeping of the two buffer sets."""
+
+    def __init__(self, buffer: Buffer) -> None:
+        cupy = _cupy()
+        self.module = jit.load(LowLatencySpec(), buffer.group.device)
+        self.sync = cupy.zeros(SYNC_BYTES // 4, dtype=cupy.int32)
+        self.finish_counters = cupy.zeros(buffer.num_experts, dtype=cupy.int32)
+        self.host_status = MappedHostArray(64)
+        self.next_set = 0
+        self.pending: list[str | None] = [None, None]  # per set: which call's hook has not run yet
+        self.combine_buffers: list[Any] = [None, None]  # get_next_low_latency_combine_buffer, per set
+        props = cupy.cuda.runtime.getDeviceProperties(buffer.group.device)
+        env = settings()
+        self.num_sms = min(int(props["multiProcessorCount"]), env.ll_num_sms or _LL_MAX_SMS)
+        self.force_puts = int(env.ll_force_puts)
+
+    @classmethod
+    def create(cls, buffer: Buffer) -> _LowLatencyState:
+        return cls(buffer)
+
+    def close(self) -> None:
+        self.host_status.close()
+
+
+_LL_MAX_SMS = 64  # blocks of a low-latency kernel: enough warps for every (expert, source) pair of EP <= 8 runs
+_LL_CALLS = ("dispatch", "combine")
+
+
 class Buffer:
     """Peer memory, streams and kernels for expert-parallel dispatch/combine (a collective object: every rank of
     the group constructs and closes it together)."""
@@ -191,44 +346,56 @@ class Buffer:
             raise ArgumentTypeError(with_rank(f"group must be what epjit.init() returns, got {type(group).__name__}"))
         group.check_same("Buffer(num_nvl_bytes, num_rdma_bytes, low_latency_mode)",
                          (int(num_nvl_bytes), int(num_rdma_bytes), bool(low_latency_mode)))
-        if low_latency_mode:
-            raise SetupError(with_rank("low_latency_mode=True is not available yet: epjit has the normal "
-                                       "(intranode) mode only in this version"))
-        if group.num_nvl_ranks != group.size:
-            raise SetupError(with_rank(
-                f"normal mode across NVLink nodes is not available yet ({group.size} ranks in nodes of "
-                f"{group.num_nvl_ranks}): use one NVLink node (num_nvl_ranks = size)"))
         if group.device is None:
             raise SetupError(with_rank("epjit.Buffer needs a GPU, and epjit.init() bound none on this rank"))
-        minimum = intranode_min_nvl_bytes(group.size, _MAX_CHANNELS)
-        if num_nvl_bytes < minimum:
-            raise ArgumentError(with_rank(
-                f"num_nvl_bytes={num_nvl_bytes} is below the {minimum} bytes of control words every call needs; "
-                f"Buffer.get_normal_size_hint(...) gives a size for given shapes"))
         self.group = group
         self.num_ranks = group.size
         self.rank = group.rank
-        self.num_nvl_bytes = int(num_nvl_bytes)
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_max_dispatch_tokens_per_rank = int(num_max_dispatch_tokens_per_rank)
         self.hidden = int(hidden)
         self.num_experts = int(num_experts)
+        if self.low_latency_mode:
+            num_rdma_bytes = self._check_low_latency_args(int(num_rdma_bytes))
+        if num_nvl_bytes or not self.low_latency_mode:  # normal mode (a low-latency Buffer may have both)
+            if group.num_nvl_ranks != group.size:
+                raise SetupError(with_rank(
+                    f"normal mode across NVLink nodes is not available yet ({group.size} ranks in nodes of "
+                    f"{group.num_nvl_ranks}): use one NVLink node (num_nvl_ranks = size)"))
+            minimum = intranode_min_nvl_bytes(group.size, _MAX_CHANNELS)
+            if num_nvl_bytes < minimum:
+                raise ArgumentError(with_rank(
+                    f"num_nvl_bytes={num_nvl_bytes} is below the {minimum} bytes of control words every call "
+                    f"needs; Buffer.get_normal_size_hint(...) gives a size for given shapes"))
+        self.num_nvl_bytes = int(num_nvl_bytes)
+        self.num_rdma_bytes = int(num_rdma_bytes)
         cupy = _cupy()
         self._device = cupy.cuda.Device(group.device)
-        self.mem = PeerMemory.create(group, self.num_nvl_bytes, int(num_rdma_bytes))
+        self.mem = PeerMemory.create(group, self.num_nvl_bytes, self.num_rdma_bytes)
+        self._host_out: MappedHostArray | None = None
+        self._ll: _LowLatencyState | None = None
         try:
             with self._device:
                 self.comm_stream = cupy.cuda.Stream(non_blocking=True)
                 self._device_status = cupy.zeros(1, dtype=cupy.int32)
-            self._host_out: MappedHostArray | None = None
             self._pending_status: tuple[Event, int] | None = None  # worst-token notify not yet checked
-            self._layout_module = jit.load(LayoutSpec(), group.device)
-            self._notify_module = jit.load(IntranodeNotifySpec(self.num_ranks), group.device)
-            self._main_module = jit.load(IntranodeSpec(self.num_ranks, NUM_THREADS), group.device)
+            if self.num_nvl_bytes:
+                self._layout_module = jit.load(LayoutSpec(), group.device)
+                self._notify_module = jit.load(IntranodeNotifySpec(self.num_ranks), group.device)
+                self._main_module = jit.load(IntranodeSpec(self.num_ranks, NUM_THREADS), group.device)
+            if self.low_latency_mode:
+                with self._device:
+                    self._ll = _LowLatencyState.create(self)
         except BaseException:
+            if self._ll is not None:
+                self._ll.close()
             self.mem.close()
             raise
         self._closed = False
         self._settings = settings()  # read once: the environment is not re-read on the hot path
         self._profile = _Profile(self._settings.profile)
+        self._order_event: Any = None  # _begin's event (made on first use)
+        self._torch_comm: Any = None  # the communication stream as a torch stream (made on first use)
 
     def profile(self) -> dict[str, float]:
         """Where the last dispatch/combine spent its time (needs EPJIT_PROFILE=1; waits for that call's work)."""
@@ -246,6 +413,8 @@ class Buffer:
         finally:
             if self._host_out is not None:
                 self._host_out.close()
+            if self._ll is not None:
+                self._ll.close()
             self.mem.close()
 
     def __enter__(self) -> Buffer:
@@ -286,14 +455,56 @@ class Buffer:
                     f"previous_event must be an epjit Event, got {type(previous_event).__name__}"))
             self.comm_stream.wait_event(previous_event.event)
         else:
-            self.comm_stream.wait_event(caller.record())
+            # One event, re-recorded every call: a wait is on the record made before it, whatever comes later.
+            if self._order_event is None:
+                self._order_event = cupy.cuda.Event(disable_timing=True)
+            self._order_event.record(caller)
+            self.comm_stream.wait_event(self._order_event)
         return caller
 
     def _finish(self, caller: Any, async_finish: bool) -> Event:
-        event = Event(self.comm_stream.record())
+        event = Event(_cupy().cuda.Event(disable_timing=True))
+        event.event.record(self.comm_stream)
         if not async_finish:
             caller.wait_event(event.event)
         return event
+
+    def _torch_outputs(self, *specs: tuple[tuple[int, ...], str] | None) -> tuple[Any, ...]:
+        """torch outputs (None where a spec is None), allocated by torch itself: no CuPy pool, no DLPack.
+
+        torch allocates on the caller's stream, which is torch's current stream (see _callers_stream); the kernels
+        write them on the communication stream, which _begin ordered after everything already queued on the
+        caller's stream (so after the last use of a reused block) -- which is why this is only for calls without
+        previous_event (those allocate with CuPy on the communication stream and hand the arrays over, as JAX
+        calls do). The caller's stream waits for the call's event before it can use or free them, or with
+        async_finish, _used_by_comm_stream tells the allocator.
+        """
+        dev = self.group.device
+        outs = tuple(None if spec is None else arrays.empty("torch", spec[0], spec[1], dev) for spec in specs)
+        if self._settings.poison_outputs:  # see _empty; on the communication stream, before the kernels
+            memset = _cupy().cuda.runtime.memsetAsync
+            for t in outs:
+                if t is not None and t.numel():
+                    memset(t.data_ptr(), _POISON_BYTE, t.numel() * t.element_size(), self.comm_stream.ptr)
+        return outs
+
+    def _torch_comm_stream(self) -> Any:
+        if self._torch_comm is None:
+            torch = sys.modules["torch"]
+            self._torch_comm = torch.cuda.ExternalStream(self.comm_stream.ptr,
+                                                         device=torch.device("cuda", self.group.device))
+        return self._torch_comm
+
+    def _used_by_comm_stream(self, tensors: tuple[Any, ...]) -> None:
+        """async_finish with torch: the caller's stream does not wait for the communication stream, so tell torch's
+        allocator that these tensors are in use there until its work so far is done (DeepEP does the same);
+        otherwise one the caller drops early could be handed out again while a kernel still reads or writes it."""
+        stream = None
+        for t in tensors:
+            if t is not None and type(t).__module__.startswith("torch"):
+                if stream is None:
+                    stream = self._torch_comm_stream()
+                t.record_stream(stream)
 
     def _sync(self) -> None:
         """Wait for the communication stream; a kernel timeout becomes EpjitTimeoutError."""
@@ -360,46 +571,73 @@ class Buffer:
         """Counts per rank and per expert, and is_token_in_rank, for topk_idx [N, K] int64 (-1 = no expert)."""
         self._check_open()
         cupy = _cupy()
-        info = arrays.check(topk_idx, "topk_idx", dtype="int64", ndim=2, device=self.group.device)
+        dev = self.group.device
+        info = arrays.check(topk_idx, "topk_idx", dtype="int64", ndim=2, device=dev)
         num_experts = self._check_num_experts(num_experts)
-        idx = arrays.to_cupy(topk_idx, "topk_idx")
+        idx = arrays.kernel_arg(topk_idx, info, "topk_idx")
         num_tokens, num_topk = info.shape
-        caller = self._begin(previous_event)
-        with self.comm_stream:
-            per_rank = cupy.zeros(self.num_ranks, dtype=cupy.int32)
-            per_expert = cupy.zeros(num_experts, dtype=cupy.int32)
-            in_rank = cupy.zeros((num_tokens, self.num_ranks), dtype=cupy.bool_)
-            invalid = cupy.zeros(1, dtype=cupy.int32)
-            if num_tokens:
-                block = 256
-                shared = 4 * (num_experts + 2 * self.num_ranks)
-                self._layout_module.launch("dispatch_layout", (num_tokens + block - 1) // block, block, idx,
-                                           num_tokens, num_topk, num_experts, self.num_ranks, self.num_ranks,
-                                           per_rank, None, per_expert, in_rank, invalid, shared_mem=shared,
-                                           stream=self.comm_stream)
-        event = self._finish(caller, async_finish)
+        r = self.num_ranks
         fw = info.framework
-        layout = DispatchLayout(arrays.from_cupy(per_rank, fw), None, arrays.from_cupy(per_expert, fw),
-                                arrays.from_cupy(in_rank, fw), event, invalid_ids=invalid)
-        layout.cupy_arrays = (layout.num_tokens_per_rank, layout.num_tokens_per_expert, layout.is_token_in_rank,
-                              per_rank, per_expert, in_rank)
+        caller = self._begin(previous_event)
+        direct = fw == "torch" and previous_event is None  # see _torch_outputs
+        if direct:
+            per_rank = arrays.empty("torch", (r,), "int32", dev)
+            per_expert = arrays.empty("torch", (num_experts,), "int32", dev)
+            in_rank = arrays.empty("torch", (num_tokens, r), "bool", dev)
+            invalid = arrays.empty("torch", (1,), "int32", dev)
+            ptrs = (per_rank.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr(), invalid.data_ptr())
+            memset = cupy.cuda.runtime.memsetAsync  # the kernel adds to these: zeros, on the communication stream
+            for ptr, num_bytes in zip(ptrs, (4 * r, 4 * num_experts, num_tokens * r, 4), strict=True):
+                if num_bytes:
+                    memset(ptr, 0, num_bytes, self.comm_stream.ptr)
+        else:
+            with self.comm_stream:
+                per_rank = cupy.zeros(r, dtype=cupy.int32)
+                per_expert = cupy.zeros(num_experts, dtype=cupy.int32)
+                in_rank = cupy.zeros((num_tokens, r), dtype=cupy.bool_)
+                invalid = cupy.zeros(1, dtype=cupy.int32)
+            ptrs = (per_rank.data.ptr, per_expert.data.ptr, in_rank.data.ptr, invalid.data.ptr)
+        if num_tokens:
+            block = 256
+            shared = 4 * (num_experts + 2 * r)
+            self._layout_module.launch("dispatch_layout", (num_tokens + block - 1) // block, block, idx, num_tokens,
+                                       num_topk, num_experts, r, r, ptrs[0], 0, ptrs[1], ptrs[2], ptrs[3],
+                                       shared_mem=shared, stream=self.comm_stream)
+        event = self._finish(caller, async_finish)
+        if direct:
+            if async_finish:
+                self._used_by_comm_stream((topk_idx, per_rank, per_expert, in_rank, invalid))
+            outs = (per_rank, per_expert, in_rank)
+        elif fw == "cupy":
+            outs = (per_rank, per_expert, in_rank)
+        else:
+            outs = (arrays.from_cupy(per_rank, fw), arrays.from_cupy(per_expert, fw), arrays.from_cupy(in_rank, fw))
+        layout = DispatchLayout(outs[0], None, outs[1], outs[2], event, invalid_ids=invalid)
+        layout.made = _MadeLayout(outs[0], outs[1], outs[2], ptrs[0], ptrs[1], ptrs[2], in_rank, num_tokens,
+                                  num_experts)
         return layout
 
-    def _layout_arrays(self, layout: DispatchLayout, num_tokens: int) -> tuple[Any, Any, Any]:
-        """CuPy views of a layout's arrays, validated (or taken as made, if get_dispatch_layout made them)."""
-        made = layout.cupy_arrays
-        if made is not None and made[0] is layout.num_tokens_per_rank and made[1] is layout.num_tokens_per_expert \
-                and made[2] is layout.is_token_in_rank and made[5].shape[0] == num_tokens:
-            return made[3], made[4], made[5]
+    def _layout_arrays(self, layout: DispatchLayout, num_tokens: int) -> tuple[Any, Any, Any, Any, int]:
+        """Kernel arguments for a layout's num_tokens_per_rank, num_tokens_per_expert and is_token_in_rank, the
+        is_token_in_rank array a handle keeps, and the number of experts: validated, or taken as made if
+        get_dispatch_layout made them."""
+        made = layout.made
+        if made is not None and made.per_rank is layout.num_tokens_per_rank \
+                and made.per_expert is layout.num_tokens_per_expert and made.in_rank is layout.is_token_in_rank \
+                and made.num_tokens == num_tokens:
+            return made.per_rank_arg, made.per_expert_arg, made.in_rank_arg, made.in_rank_kept, made.num_experts
         dev = self.group.device
-        arrays.check(layout.num_tokens_per_rank, "layout.num_tokens_per_rank", dtype="int32",
-                     shape=(self.num_ranks,), device=dev)
-        arrays.check(layout.num_tokens_per_expert, "layout.num_tokens_per_expert", dtype="int32", ndim=1, device=dev)
-        arrays.check(layout.is_token_in_rank, "layout.is_token_in_rank", dtype="bool",
-                     shape=(("N", num_tokens), self.num_ranks), shape_note="with N matching x", device=dev)
-        return (arrays.to_cupy(layout.num_tokens_per_rank, "layout.num_tokens_per_rank"),
-                arrays.to_cupy(layout.num_tokens_per_expert, "layout.num_tokens_per_expert"),
-                arrays.to_cupy(layout.is_token_in_rank, "layout.is_token_in_rank"))
+        r_info = arrays.check(layout.num_tokens_per_rank, "layout.num_tokens_per_rank", dtype="int32",
+                              shape=(self.num_ranks,), device=dev)
+        e_info = arrays.check(layout.num_tokens_per_expert, "layout.num_tokens_per_expert", dtype="int32", ndim=1,
+                              device=dev)
+        t_info = arrays.check(layout.is_token_in_rank, "layout.is_token_in_rank", dtype="bool",
+                              shape=(("N", num_tokens), self.num_ranks), shape_note="with N matching x", device=dev)
+        per_rank = arrays.kernel_arg(layout.num_tokens_per_rank, r_info, "layout.num_tokens_per_rank")
+        per_expert = arrays.kernel_arg(layout.num_tokens_per_expert, e_info, "layout.num_tokens_per_expert")
+        in_rank = arrays.kernel_arg(layout.is_token_in_rank, t_info, "layout.is_token_in_rank")
+        kept = layout.is_token_in_rank if isinstance(in_rank, int) else in_rank  # an address, or a CuPy view
+        return per_rank, per_expert, in_rank, kept, e_info.shape[0]
 
     def _check_num_experts(self, num_experts: int) -> int:
         if not isinstance(num_experts, (int, np.integer)) or num_experts <= 0:
@@ -424,8 +662,8 @@ class Buffer:
         """
         self._check_open()
         self._check_pending()
-        self._profile.start()
-        cupy = _cupy()
+        profile = self._profile
+        profile.start()
         dev = self.group.device
         # ---- validate everything before any kernel runs
         if isinstance(x, (tuple, list)):
@@ -435,35 +673,39 @@ class Buffer:
             num_tokens, hidden = x_info.shape
             if hidden % 128:
                 raise ArgumentError(with_rank(f"FP8 x has hidden={hidden}, which is not a multiple of 128"))
-            arrays.check(x[1], "x_scales", dtype="float32", shape=(("N", num_tokens), hidden // 128),
-                         shape_note="with N matching x and one scale per 128 channels", device=dev)
-            x_arr, scales_arr, fp8 = arrays.to_cupy(x[0], "x"), arrays.to_cupy(x[1], "x_scales"), True
+            s_info = arrays.check(x[1], "x_scales", dtype="float32", shape=(("N", num_tokens), hidden // 128),
+                                  shape_note="with N matching x and one scale per 128 channels", device=dev)
+            x_arg, scales_arg, fp8 = arrays.kernel_arg(x[0], x_info, "x"), arrays.kernel_arg(x[1], s_info,
+                                                                                           "x_scales"), True
         else:
             x_info = arrays.check(x, "x", dtype="bfloat16", ndim=2, device=dev)
             num_tokens, hidden = x_info.shape
-            x_arr, scales_arr, fp8 = arrays.to_cupy(x, "x"), None, False
+            x_arg, scales_arg, fp8 = arrays.kernel_arg(x, x_info, "x"), 0, False
         if hidden % 8 or hidden <= 0:
             raise ArgumentError(with_rank(f"hidden={hidden} must be a positive multiple of 8 (16-byte rows)"))
-        idx_arr = w_arr = None
+        idx_arg = w_arg = None  # kernel arguments (addresses, or CuPy views for JAX); None: not given
         num_topk = 0
         if topk_idx is not None:
             k_info = arrays.check(topk_idx, "topk_idx", dtype="int64", shape=(("N", num_tokens), "K"),
                                   shape_note="with N matching x", device=dev)
             num_topk = k_info.shape[1]
-            idx_arr = arrays.to_cupy(topk_idx, "topk_idx")
+            idx_arg = arrays.kernel_arg(topk_idx, k_info, "topk_idx")
             if not 1 <= num_topk <= 32:
                 raise ArgumentError(with_rank(f"topk_idx has {num_topk} columns; 1 to 32 are supported"))
         if topk_weights is not None:
             if topk_idx is None:
                 raise ArgumentError(with_rank("topk_weights given without topk_idx"))
-            arrays.check(topk_weights, "topk_weights", dtype="float32", shape=(("N", num_tokens), ("K", num_topk)),
-                         shape_note="matching topk_idx", device=dev)
-            w_arr = arrays.to_cupy(topk_weights, "topk_weights")
-        for name, value in (("num_worst_tokens", num_worst_tokens), ("expert_alignment", expert_alignment)):
-            if not isinstance(value, (int, np.integer)) or value < (0 if name == "num_worst_tokens" else 1):
-                raise ArgumentError(with_rank(f"{name} must be an int >= {0 if name == 'num_worst_tokens' else 1}, "
-                                              f"got {value!r}"))
-        num_worst_tokens, expert_alignment = int(num_worst_tokens), int(expert_alignment)
+            w_info = arrays.check(topk_weights, "topk_weights", dtype="float32",
+                                  shape=(("N", num_tokens), ("K", num_topk)), shape_note="matching topk_idx",
+                                  device=dev)
+            w_arg = arrays.kernel_arg(topk_weights, w_info, "topk_weights")
+        if type(num_worst_tokens) is not int or num_worst_tokens < 0 or type(expert_alignment) is not int \
+                or expert_alignment < 1:  # the common case in one test; the loop below says what is wrong
+            for name, value in (("num_worst_tokens", num_worst_tokens), ("expert_alignment", expert_alignment)):
+                if not isinstance(value, (int, np.integer)) or value < (0 if name == "num_worst_tokens" else 1):
+                    raise ArgumentError(with_rank(f"{name} must be an int >= "
+                                                  f"{0 if name == 'num_worst_tokens' else 1}, got {value!r}"))
+            num_worst_tokens, expert_alignment = int(num_worst_tokens), int(expert_alignment)
 
         if handle is not None:
             if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
@@ -472,21 +714,21 @@ class Buffer:
                 raise ArgumentError(with_rank(f"x is [{num_tokens}, {hidden}] but the handle was made for "
                                               f"[{handle.num_tokens}, {handle.hidden}]"))
             num_experts_ = handle.num_experts
-            if idx_arr is not None and num_topk != handle.num_topk:
+            if idx_arg is not None and num_topk != handle.num_topk:
                 raise ArgumentError(with_rank(f"topk_idx has {num_topk} columns, the handle {handle.num_topk}"))
             num_channels = handle.num_channels
             if config is not None and config.num_channels != num_channels:
                 raise ArgumentError(with_rank(f"config.num_sms={config.num_sms} but the handle was made with "
                                               f"{2 * num_channels} SMs"))
-            config = config or get_dispatch_config(self.num_ranks)
-            config = Config(2 * num_channels, config.nvl_chunk_send, config.nvl_chunk_recv)
+            config = config or _default_config("dispatch", self.num_ranks)
+            config = _channels_config(2 * num_channels, config.nvl_chunk_send, config.nvl_chunk_recv)
         else:
-            config = config or get_dispatch_config(self.num_ranks)
+            config = config or _default_config("dispatch", self.num_ranks)
             if not isinstance(config, Config):
                 raise ArgumentTypeError(with_rank(f"config must be an epjit.Config, got {type(config).__name__}"))
             num_channels = config.num_channels
             if layout is None:
-                if idx_arr is None:
+                if idx_arg is None:
                     raise ArgumentError(with_rank("dispatch needs layout=get_dispatch_layout(...), or topk_idx, "
                                                   "or a handle"))
                 ne = num_experts if num_experts is not None else self.num_experts
@@ -496,41 +738,46 @@ class Buffer:
                 layout = self.get_dispatch_layout(topk_idx, ne)
             elif not isinstance(layout, DispatchLayout):
                 raise ArgumentTypeError(with_rank(f"layout must be a DispatchLayout, got {type(layout).__name__}"))
-            layout_cupy = self._layout_arrays(layout, num_tokens)
-            num_experts_ = self._check_num_experts(int(layout_cupy[1].shape[0]))
-        if config.nvl_bytes(self.num_ranks, hidden, num_topk, num_experts_, fp8) > self.num_nvl_bytes:
+            per_rank, per_expert, in_rank, in_rank_kept, layout_experts = self._layout_arrays(layout, num_tokens)
+            num_experts_ = self._check_num_experts(int(layout_experts))
+        need = _nvl_need(config, self.num_ranks, hidden, num_topk, num_experts_, fp8)
+        if need > self.num_nvl_bytes:
             # Every rank computes the same need from the same (checked-in-notify) sizes, so all raise together
             # when the sizes agree; when they do not, notify reports the mismatch on every rank.
-            need = config.nvl_bytes(self.num_ranks, hidden, num_topk, num_experts_, fp8)
             raise ArgumentError(with_rank(
                 f"this dispatch needs {need} bytes of NVLink buffer (hidden={hidden}, top-{num_topk}, "
                 f"{num_experts_} experts, {config}) but the Buffer has {self.num_nvl_bytes}: use "
                 "Buffer.get_normal_size_hint(...)"))
 
-        flags = (_FLAG_FP8 if fp8 else 0) | (_FLAG_WEIGHTS if w_arr is not None else 0) | \
-                (_FLAG_TOPK if idx_arr is not None else 0)
+        flags = (_FLAG_FP8 if fp8 else 0) | (_FLAG_WEIGHTS if w_arg is not None else 0) | \
+                (_FLAG_TOPK if idx_arg is not None else 0)
         num_scales = hidden // 128 if fp8 else 0
         r = self.num_ranks
+        fw = x_info.framework
+        direct = fw == "torch" and previous_event is None  # see _torch_outputs
         host = self._host_buffer(num_experts_)
+        comm = self.comm_stream
+        table, status = self.mem.table_ptr, self._device_status.data.ptr
         caller = self._begin(previous_event)
-        self._profile.mark("validated", self.comm_stream)
-        with self.comm_stream:
+        profile.mark("validated", comm)
+        cupy = _cupy()
+        with comm:  # CuPy allocates on the communication stream (the handle's arrays, CuPy callers' outputs)
             if handle is None:
-                per_rank, per_expert, in_rank = layout_cupy
                 rank_prefix = cupy.empty((r, r), dtype=cupy.int32)
                 channel_prefix = cupy.empty((r, num_channels), dtype=cupy.int32)
-                invalid = layout.invalid_ids
+                invalid = _address(layout.invalid_ids)
             else:
-                in_rank, rank_prefix, channel_prefix = (handle.is_token_in_rank, handle.rank_prefix_matrix,
-                                                        handle.channel_prefix_matrix)
-                per_rank = per_expert = invalid = None
+                in_rank = in_rank_kept = handle.is_token_in_rank
+                in_rank = _address(in_rank)
+                rank_prefix, channel_prefix = handle.rank_prefix_matrix, handle.channel_prefix_matrix
+                per_rank = per_expert = invalid = 0
             host.view(np.int32)[:2] = (-1, 0)
             self._notify_module.launch(
-                "intranode_notify", 1 + r, 128, self.mem.table_ptr, per_rank, per_expert, in_rank, num_tokens,
-                num_channels, config.nvl_chunk_recv, hidden, num_topk, num_scales, num_experts_, flags,
-                expert_alignment, num_worst_tokens, int(handle is not None), invalid, rank_prefix, channel_prefix,
-                host.device_ptr, self._device_status, stream=self.comm_stream)
-            self._profile.mark("notify", self.comm_stream)
+                "intranode_notify", 1 + r, 128, table, per_rank, per_expert, in_rank, num_tokens, num_channels,
+                config.nvl_chunk_recv, hidden, num_topk, num_scales, num_experts_, flags, expert_alignment,
+                num_worst_tokens, int(handle is not None), invalid, rank_prefix.data.ptr, channel_prefix.data.ptr,
+                host.device_ptr, status, stream=comm)
+            profile.mark("notify", comm)
             if num_worst_tokens > 0:
                 num_rows, num_recv, per_expert_counts = num_worst_tokens, -1, []
             else:
@@ -546,39 +793,51 @@ class Buffer:
                                                    f"{handle.num_recv_tokens}"))
                 else:
                     lo = 2 + 5 * r
-                    per_expert_counts = [int(v) for v in ints[lo:lo + num_experts_ // r]]
-                self._profile.mark("host_synced")
+                    per_expert_counts = ints[lo:lo + num_experts_ // r].tolist()
+                profile.mark("host_synced")
 
-            # ---- outputs (on the caller's side of the allocator: they are the caller's arrays)
-            recv_x = self._empty((num_rows, hidden), cupy.uint8 if fp8 else x_arr.dtype)
-            recv_scales = self._empty((num_rows, num_scales), cupy.float32) if fp8 else None
+            # ---- outputs: the caller's arrays
+            if direct:
+                outs = self._torch_outputs(((num_rows, hidden), "float8_e4m3fn" if fp8 else "bfloat16"),
+                                           ((num_rows, num_scales), "float32") if fp8 else None,
+                                           ((num_rows, num_topk), "int64") if idx_arg is not None else None,
+                                           ((num_rows, num_topk), "float32") if w_arg is not None else None)
+            else:
+                outs = (self._empty((num_rows, hidden), cupy.uint8 if fp8 else _bf16()),
+                        self._empty((num_rows, num_scales), cupy.float32) if fp8 else None,
+                        self._empty((num_rows, num_topk), cupy.int64) if idx_arg is not None else None,
+                        self._empty((num_rows, num_topk), cupy.float32) if w_arg is not None else None)
             recv_src = self._empty((num_rows,), cupy.int32)
-            recv_idx = self._empty((num_rows, num_topk), cupy.int64) if idx_arr is not None else None
-            recv_w = self._empty((num_rows, num_topk), cupy.float32) if w_arr is not None else None
             recv_channel_offset = cupy.empty((r, num_channels), dtype=cupy.int32)
             send_head = cupy.empty((num_tokens, r), dtype=cupy.int32)
-            self._profile.mark("allocated", self.comm_stream)
+            profile.mark("allocated", comm)
             self._main_module.launch(
-                "intranode_dispatch", 2 * num_channels, NUM_THREADS, self.mem.table_ptr, x_arr, scales_arr, idx_arr,
-                w_arr, in_rank, channel_prefix, rank_prefix, self._device_status, recv_x, recv_scales, recv_src,
-                recv_idx, recv_w, recv_channel_offset, send_head, num_tokens, hidden,
-                hidden * x_arr.dtype.itemsize // 16, num_scales, num_topk, num_experts_, num_channels,
-                config.nvl_chunk_recv, config.nvl_chunk_send, num_worst_tokens, stream=self.comm_stream)
-            self._profile.mark("dispatch", self.comm_stream)
+                "intranode_dispatch", 2 * num_channels, NUM_THREADS, table, x_arg, scales_arg,
+                0 if idx_arg is None else idx_arg, 0 if w_arg is None else w_arg, in_rank, channel_prefix.data.ptr,
+                rank_prefix.data.ptr, status, _address(outs[0]), _address(outs[1]), recv_src.data.ptr,
+                _address(outs[2]), _address(outs[3]), recv_channel_offset.data.ptr, send_head.data.ptr, num_tokens,
+                hidden, hidden * (1 if fp8 else 2) // 16, num_scales, num_topk, num_experts_, num_channels,
+                config.nvl_chunk_recv, config.nvl_chunk_send, num_worst_tokens, stream=comm)
+            profile.mark("dispatch", comm)
         event = self._finish(caller, async_finish)
         if num_worst_tokens > 0 and not _capturing():
             self._pending_status = (event, num_worst_tokens)
-        new_handle = DispatchHandle(rank_prefix, channel_prefix, recv_channel_offset, recv_src, in_rank, send_head,
-                                    num_tokens, num_recv, num_rows, num_channels, hidden, num_topk, num_experts_,
-                                    buffer_id=id(self))
-        fw = x_info.framework
-        result = DispatchResult(
-            x=arrays.from_cupy(recv_x, fw, dtype="float8_e4m3fn" if fp8 else None, name="recv_x"),
-            x_scales=arrays.from_cupy(recv_scales, fw) if fp8 else None,
-            topk_idx=arrays.from_cupy(recv_idx, fw) if recv_idx is not None else None,
-            topk_weights=arrays.from_cupy(recv_w, fw) if recv_w is not None else None,
-            num_recv_tokens_per_expert=per_expert_counts, handle=new_handle, event=event)
-        self._profile.mark("returned")
+        new_handle = DispatchHandle(rank_prefix, channel_prefix, recv_channel_offset, recv_src, in_rank_kept,
+                                    send_head, num_tokens, num_recv, num_rows, num_channels, hidden, num_topk,
+                                    num_experts_, buffer_id=id(self))
+        if direct:
+            if async_finish:
+                self._used_by_comm_stream((*outs, *(x if fp8 else (x,)), topk_idx, topk_weights, in_rank_kept,
+                                           *((layout.num_tokens_per_rank, layout.num_tokens_per_expert,
+                                              layout.invalid_ids) if handle is None else ())))
+        elif fw != "cupy":  # CuPy callers take the CuPy arrays as they are (FP8 stays uint8 storage)
+            outs = (arrays.from_cupy(outs[0], fw, dtype="float8_e4m3fn" if fp8 else None, name="recv_x"),
+                    arrays.from_cupy(outs[1], fw) if fp8 else None,
+                    arrays.from_cupy(outs[2], fw) if outs[2] is not None else None,
+                    arrays.from_cupy(outs[3], fw) if outs[3] is not None else None)
+        result = DispatchResult(x=outs[0], x_scales=outs[1], topk_idx=outs[2], topk_weights=outs[3],
+                                num_recv_tokens_per_expert=per_expert_counts, handle=new_handle, event=event)
+        profile.mark("returned")
         return result
 
     # ------------------------------------------------------------------------------------------------ combine
@@ -590,60 +849,346 @@ class Buffer:
         """For each original token, the sum of the rows the ranks send back for it (+ bias): dispatch's adjoint."""
         self._check_open()
         self._check_pending()
-        self._profile.start()
-        cupy = _cupy()
+        profile = self._profile
+        profile.start()
         dev = self.group.device
         if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
             raise ArgumentError(with_rank("handle must be the .handle of a dispatch of this Buffer"))
         y_info = arrays.check(y, "y", dtype="bfloat16", shape=(("rows", handle.num_rows), ("H", handle.hidden)),
                               shape_note="as the dispatch delivered", device=dev)
-        y_arr = arrays.to_cupy(y, "y")
-        w_arr = None
+        y_arg = arrays.kernel_arg(y, y_info, "y")
+        w_arg = None
         if topk_weights is not None:
             if handle.num_topk == 0:
                 raise ArgumentError(with_rank("topk_weights given but the dispatch had no topk_idx"))
-            arrays.check(topk_weights, "topk_weights", dtype="float32",
-                         shape=(("rows", handle.num_rows), ("K", handle.num_topk)), device=dev)
-            w_arr = arrays.to_cupy(topk_weights, "topk_weights")
+            w_info = arrays.check(topk_weights, "topk_weights", dtype="float32",
+                                  shape=(("rows", handle.num_rows), ("K", handle.num_topk)), device=dev)
+            w_arg = arrays.kernel_arg(topk_weights, w_info, "topk_weights")
+        items: list[Any] = []
         biases: list[Any] = []
         if bias is not None:
             items = list(bias) if isinstance(bias, (tuple, list)) else [bias]
             if not 1 <= len(items) <= 2:
                 raise ArgumentError(with_rank(f"bias must be one array or a pair, got {len(items)}"))
             for i, b in enumerate(items):
-                arrays.check(b, f"bias[{i}]", dtype="bfloat16",
-                             shape=(("N", handle.num_tokens), ("H", handle.hidden)), device=dev)
-                biases.append(arrays.to_cupy(b, f"bias[{i}]"))
-        base = config or get_combine_config(self.num_ranks)
+                b_info = arrays.check(b, f"bias[{i}]", dtype="bfloat16",
+                                      shape=(("N", handle.num_tokens), ("H", handle.hidden)), device=dev)
+                biases.append(arrays.kernel_arg(b, b_info, f"bias[{i}]"))
+        base = config or _default_config("combine", self.num_ranks)
         if config is not None and config.num_channels != handle.num_channels:
             raise ArgumentError(with_rank(f"config.num_sms={config.num_sms} but combine replays the dispatch's "
                                           f"{2 * handle.num_channels} SMs"))
-        config = Config(2 * handle.num_channels, base.nvl_chunk_send, base.nvl_chunk_recv)
-        need = config.nvl_bytes(self.num_ranks, handle.hidden, handle.num_topk, 0, False)
+        config = _channels_config(2 * handle.num_channels, base.nvl_chunk_send, base.nvl_chunk_recv)
+        need = _nvl_need(config, self.num_ranks, handle.hidden, handle.num_topk, 0, False)
         if need > self.num_nvl_bytes:
             raise ArgumentError(with_rank(f"this combine needs {need} bytes of NVLink buffer but the Buffer has "
                                           f"{self.num_nvl_bytes}: use Buffer.get_normal_size_hint(...)"))
-        caller = self._begin(previous_event)
-        self._profile.mark("validated", self.comm_stream)
-        with self.comm_stream:
-            out = self._empty((handle.num_tokens, handle.hidden), y_arr.dtype)
-            out_w = self._empty((handle.num_tokens, handle.num_topk), cupy.float32) if w_arr is not None else None
-            self._notify_module.launch("intranode_combine_prepare", 1, 128, self.mem.table_ptr, handle.num_channels,
-                                       stream=self.comm_stream)
-            self._profile.mark("prepare", self.comm_stream)
-            self._main_module.launch(
-                "intranode_combine", 2 * handle.num_channels, NUM_THREADS, self.mem.table_ptr, y_arr, w_arr,
-                biases[0] if biases else None, biases[1] if len(biases) > 1 else None, handle.rank_prefix_matrix,
-                handle.recv_channel_offset, handle.send_head, out, out_w, handle.num_tokens, handle.hidden,
-                handle.num_topk, handle.num_channels, config.nvl_chunk_recv, config.nvl_chunk_send,
-                stream=self.comm_stream)
-            self._profile.mark("combine", self.comm_stream)
-        event = self._finish(caller, async_finish)
         fw = y_info.framework
-        result = CombineResult(arrays.from_cupy(out, fw, name="combined_x"),
-                               arrays.from_cupy(out_w, fw) if out_w is not None else None, event)
-        self._profile.mark("returned")
+        direct = fw == "torch" and previous_event is None  # see _torch_outputs
+        comm = self.comm_stream
+        table = self.mem.table_ptr
+        caller = self._begin(previous_event)
+        profile.mark("validated", comm)
+        if direct:
+            out, out_w = self._torch_outputs(((handle.num_tokens, handle.hidden), "bfloat16"),
+                                             ((handle.num_tokens, handle.num_topk), "float32")
+                                             if w_arg is not None else None)
+        else:
+            cupy = _cupy()
+            with comm:
+                out = self._empty((handle.num_tokens, handle.hidden), _bf16())
+                out_w = self._empty((handle.num_tokens, handle.num_topk), cupy.float32) if w_arg is not None \
+                    else None
+        self._notify_module.launch("intranode_combine_prepare", 1, 128, table, handle.num_channels, stream=comm)
+        profile.mark("prepare", comm)
+        self._main_module.launch(
+            "intranode_combine", 2 * handle.num_channels, NUM_THREADS, table, y_arg, 0 if w_arg is None else w_arg,
+            biases[0] if biases else 0, biases[1] if len(biases) > 1 else 0, handle.rank_prefix_matrix.data.ptr,
+            handle.recv_channel_offset.data.ptr, handle.send_head.data.ptr, _address(out), _address(out_w),
+            handle.num_tokens, handle.hidden, handle.num_topk, handle.num_channels, config.nvl_chunk_recv,
+            config.nvl_chunk_send, stream=comm)
+        profile.mark("combine", comm)
+        event = self._finish(caller, async_finish)
+        if direct:
+            if async_finish:
+                self._used_by_comm_stream((out, out_w, y, topk_weights, *items))
+        elif fw != "cupy":
+            out = arrays.from_cupy(out, fw, name="combined_x")
+            out_w = arrays.from_cupy(out_w, fw) if out_w is not None else None
+        result = CombineResult(out, out_w, event)
+        profile.mark("returned")
         return result
+
+    # ------------------------------------------------------------------------------------------------ low latency
+
+    @staticmethod
+    def get_low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                  num_experts: int) -> int:
+        """num_rdma_bytes (symmetric heap per rank) that low-latency mode needs for these sizes: two buffer sets."""
+        return low_latency_size_hint(int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_ranks),
+                                     int(num_experts))
+
+    def _check_low_latency_args(self, num_rdma_bytes: int) -> int:
+        """Validate a low-latency Buffer's sizes (the same on every rank); returns the heap bytes to reserve."""
+        m, h, e, r = self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts, self.num_ranks
+        self.group.check_same("Buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)", (m, h, e))
+        if m <= 0 or h <= 0 or e <= 0:
+            raise ArgumentError(with_rank(
+                "low_latency_mode=True needs num_max_dispatch_tokens_per_rank, hidden and num_experts (> 0), got "
+                f"{m}, {h}, {e}"))
+        if e % r:
+            raise ArgumentError(with_rank(f"num_experts={e} is not divisible by the {r} ranks (each rank owns "
+                                          "num_experts / ranks experts)"))
+        if h % 8:
+            raise ArgumentError(with_rank(f"hidden={h} must be a multiple of 8 (16-byte rows)"))
+        need = low_latency_size_hint(m, h, r, e)
+        if num_rdma_bytes == 0:
+            return need
+        if num_rdma_bytes < need:
+            raise ArgumentError(with_rank(
+                f"num_rdma_bytes={num_rdma_bytes} is below the {need} bytes low-latency mode needs for "
+                f"{m} tokens x hidden {h} x {e} experts on {r} ranks: use Buffer.get_low_latency_size_hint(...)"))
+        return num_rdma_bytes
+
+    def _low_latency(self) -> _LowLatencyState:
+        self._check_open()
+        if self._ll is None:
+            raise EpjitError(with_rank("this Buffer was not made with low_latency_mode=True"))
+        status = int(self._ll.host_status.view(np.int32)[0])
+        if status:
+            self._ll.host_status.view(np.int32)[0] = 0
+            problems = []
+            if status & STATUS_INVALID_IDS:
+                problems.append(f"topk_idx had entries outside [-1, num_experts={self.num_experts}) (skipped)")
+            if status & STATUS_SLOT_OVERFLOW:
+                problems.append("one rank's topk_idx named one expert in more than "
+                                f"num_max_dispatch_tokens_per_rank={self.num_max_dispatch_tokens_per_rank} slots "
+                                "(repeated experts; the extra rows were dropped)")
+            if status & STATUS_META_MISMATCH:
+                problems.append("a rank dispatched with another hidden size or use_fp8 setting than this one")
+            if status & STATUS_LAYOUT_TOO_BIG:
+                problems.append("the kernels' buffer layout does not fit the symmetric heap (an epjit bug: "
+                                "epjit/kernels/low_latency.py and cuda_src/low_latency.cuh disagree)")
+            raise ArgumentError(with_rank("an earlier low-latency call was wrong, its results are not valid: "
+                                          + "; ".join(problems)))
+        return self._ll
+
+    def _low_latency_set(self, ll: _LowLatencyState, call: str) -> int:
+        """The buffer set this call takes; refuses one whose earlier call still waits for its hook."""
+        s = ll.next_set
+        if ll.pending[s] is not None:
+            raise ArgumentError(with_rank(
+                f"low_latency_{call} would reuse buffer set {s}, whose {ll.pending[s]} has a receive hook that has "
+                "not run: call that hook first (two calls may be in flight at most)"))
+        ll.next_set ^= 1
+        return s
+
+    def _low_latency_hook(self, ll: _LowLatencyState, s: int, call: str, launch: Callable[[], None],
+                          async_finish: bool, like: Any, then: Callable[[], None] | None = None) -> Callable[[], None]:
+        """The receive half as a callable, run on the stream current when it is called (torch's, for torch
+        arrays like ``like``): so a hook called inside a CUDA-graph capture is captured there."""
+        ll.pending[s] = f"low_latency_{call}"
+        ran = [False]
+
+        def hook() -> None:
+            if ran[0]:
+                raise ArgumentError(with_rank(f"this low_latency_{call} hook already ran"))
+            self._check_open()
+            ran[0] = True
+            with _callers_stream(like):
+                caller = self._begin(None)
+                with self.comm_stream:
+                    launch()
+                self._finish(caller, async_finish)
+            ll.pending[s] = None
+            if then is not None:
+                then()
+
+        return hook
+
+    @_on_callers_stream
+    def low_latency_dispatch(self, x: Any, topk_idx: Any, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             return_recv_hook: bool = False, async_finish: bool = False,
+                             cumulative_local_expert_recv_stats: Any = None) -> LowLatencyDispatchResult:
+        """Send each (token, chosen expert) straight to a fixed slot of the expert's rank (DESIGN.md: low-latency
+        dispatch). x is [N, H] bf16 with N <= num_max_dispatch_tokens_per_rank; topk_idx [N, K] int64, -1 = none.
+
+        Returns x [L, R*max, H] (FP8 with x_scales [L, R*max, H/128], or bf16), recv_count [L], and a handle for
+        low_latency_combine. With return_recv_hook the send half runs now and ``result.hook()`` runs the receive
+        half; the arrays are valid after it.
+        """
+        ll = self._low_latency()
+        dev = self.group.device
+        m, hidden, e, r = self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts, self.num_ranks
+        if num_max_dispatch_tokens_per_rank != m or num_experts != e:
+            raise ArgumentError(with_rank(
+                f"num_max_dispatch_tokens_per_rank={num_max_dispatch_tokens_per_rank}, num_experts={num_experts}: "
+                f"this Buffer was made for {m} and {e}"))
+        x_info = arrays.check(x, "x", dtype="bfloat16", shape=("N", ("H", hidden)),
+                              shape_note="with H the Buffer's hidden", device=dev)
+        num_tokens = x_info.shape[0]
+        if num_tokens > m:
+            raise ArgumentError(with_rank(f"x has {num_tokens} tokens but num_max_dispatch_tokens_per_rank={m}"))
+        k_info = arrays.check(topk_idx, "topk_idx", dtype="int64", shape=(("N", num_tokens), "K"),
+                              shape_note="with N matching x", device=dev)
+        num_topk = k_info.shape[1]
+        if not 1 <= num_topk <= LOW_LATENCY_MAX_TOPK:
+            raise ArgumentError(with_rank(f"topk_idx has {num_topk} columns; 1 to {LOW_LATENCY_MAX_TOPK} are "
+                                          "supported in low-latency mode"))
+        use_fp8, round_scale, use_ue8m0 = bool(use_fp8), bool(round_scale) or bool(use_ue8m0), bool(use_ue8m0)
+        if not use_fp8 and round_scale:
+            raise ArgumentError(with_rank("round_scale and use_ue8m0 need use_fp8=True"))
+        if use_fp8 and hidden % 128:
+            raise ArgumentError(with_rank(f"use_fp8=True needs hidden % 128 == 0, hidden={hidden}"))
+        num_local = e // r
+        stats = None
+        if cumulative_local_expert_recv_stats is not None:
+            arrays.check(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", dtype="int32",
+                         shape=(num_local,), device=dev)
+            stats = arrays.to_cupy(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats")
+        x_arr, idx_arr = arrays.to_cupy(x, "x"), arrays.to_cupy(topk_idx, "topk_idx")
+        s = self._low_latency_set(ll, "dispatch")
+        cupy = _cupy()
+        rows = r * m
+        num_scales = hidden // 128
+        flags = (FLAG_FP8 if use_fp8 else 0) | (FLAG_ROUND_SCALE if round_scale else 0) | \
+                (FLAG_UE8M0 if use_ue8m0 else 0)
+        caller = self._begin(None)
+        with self.comm_stream:
+            recv_x = self._empty((num_local, rows, hidden), cupy.uint8 if use_fp8 else x_arr.dtype)
+            recv_scales = None
+            if use_fp8:
+                recv_scales = self._empty((num_local, rows, num_scales), cupy.uint8 if use_ue8m0 else cupy.float32)
+            src_info = self._empty((num_local, rows), cupy.int32)
+            topk_slot = self._empty((num_local, rows), cupy.int32)
+            layout_range = self._empty((num_local, r), cupy.int64)
+            recv_count = self._empty((num_local,), cupy.int32)
+            shared = 16 * (hidden // 8)
+
+            def launch(phases: int) -> None:
+                ll.module.launch(
+                    "ll_dispatch", ll.num_sms, LOW_LATENCY_THREADS, self.mem.table_ptr, x_arr, idx_arr, num_tokens,
+                    num_topk, hidden, e, m, s, phases, flags, ll.force_puts, ll.finish_counters, ll.sync,
+                    ll.host_status.device_ptr, recv_x, recv_scales, src_info, topk_slot, layout_range, recv_count,
+                    stats, shared_mem=shared, stream=self.comm_stream)
+
+            launch(PHASE_SEND if return_recv_hook else PHASE_SEND | PHASE_RECV)
+        event = self._finish(caller, async_finish)
+        fw = x_info.framework
+        handle = LowLatencyHandle(arrays.from_cupy(src_info, fw), arrays.from_cupy(layout_range, fw), m, hidden, e,
+                                  num_topk, src_info, layout_range, topk_slot, buffer_id=id(self),
+                                  pending=[bool(return_recv_hook)])
+        hook = None
+        if return_recv_hook:
+            def done() -> None:
+                handle.pending[0] = False
+
+            hook = self._low_latency_hook(ll, s, "dispatch", lambda: launch(PHASE_RECV), async_finish, x, done)
+        return LowLatencyDispatchResult(
+            x=arrays.from_cupy(recv_x, fw, dtype="float8_e4m3fn" if use_fp8 else None, name="recv_x"),
+            x_scales=arrays.from_cupy(recv_scales, fw) if recv_scales is not None else None,
+            recv_count=arrays.from_cupy(recv_count, fw), handle=handle, event=event, hook=hook)
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> Any:
+        """A [L, R*max, H] bf16 array for the expert outputs of the next low_latency_combine (zero_copy=True).
+
+        epjit's combine reads y in place wherever it lives, so this saves no copy: it exists so DeepEP code runs
+        unchanged. Two arrays alternate with the buffer sets (allocated on first use).
+        """
+        ll = self._low_latency()
+        self._check_ll_handle(handle)
+        s = ll.next_set
+        if ll.combine_buffers[s] is None:
+            cupy = _cupy()
+            with self._device:
+                shape = (self.num_experts // self.num_ranks, self.num_ranks * handle.num_max_dispatch_tokens_per_rank,
+                         handle.hidden)
+                import ml_dtypes
+
+                ll.combine_buffers[s] = cupy.empty(shape, dtype=ml_dtypes.bfloat16)
+        return arrays.from_cupy(ll.combine_buffers[s], arrays.describe(handle.src_info, "handle.src_info").framework)
+
+    def _check_ll_handle(self, handle: LowLatencyHandle) -> None:
+        if not isinstance(handle, LowLatencyHandle) or handle.buffer_id != id(self):
+            raise ArgumentError(with_rank("handle must be the .handle of a low_latency_dispatch of this Buffer"))
+        if handle.pending[0]:
+            raise ArgumentError(with_rank("the dispatch of this handle has a receive hook that has not run: "
+                                          "call its hook() first"))
+
+    @_on_callers_stream
+    def low_latency_combine(self, y: Any, topk_idx: Any, topk_weights: Any, handle: LowLatencyHandle,
+                            zero_copy: bool = False, out: Any = None, return_recv_hook: bool = False,
+                            async_finish: bool = False) -> LowLatencyCombineResult:
+        """For each token: sum over k with topk_idx[t, k] >= 0 of topk_weights[t, k] * (expert output of the row
+        that answered (t, k)), in float32, as bf16 [N, H] (DESIGN.md: low-latency combine).
+
+        y is [L, R*max, H] bf16 in the layout the dispatch delivered; topk_idx/topk_weights are what this rank
+        dispatched with. ``out`` receives the result if given.
+        """
+        ll = self._low_latency()
+        self._check_ll_handle(handle)
+        dev = self.group.device
+        m, hidden, e, r = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, self.num_ranks
+        num_local = e // r
+        y_info = arrays.check(y, "y", dtype="bfloat16", shape=(num_local, r * m, hidden),
+                              shape_note="as the dispatch delivered", device=dev)
+        k_info = arrays.check(topk_idx, "topk_idx", dtype="int64", shape=("N", ("K", handle.num_topk)),
+                              shape_note="as dispatched", device=dev)
+        num_tokens = k_info.shape[0]
+        if num_tokens > m:
+            raise ArgumentError(with_rank(f"topk_idx has {num_tokens} tokens but num_max_dispatch_tokens_per_rank={m}"))
+        arrays.check(topk_weights, "topk_weights", dtype="float32", shape=(("N", num_tokens), ("K", handle.num_topk)),
+                     shape_note="matching topk_idx", device=dev)
+        y_arr = arrays.to_cupy(y, "y")
+        if zero_copy and not any(b is not None and b.data.ptr == y_arr.data.ptr for b in ll.combine_buffers):
+            raise ArgumentError(with_rank("zero_copy=True needs y from get_next_low_latency_combine_buffer(handle)"))
+        idx_arr, w_arr = arrays.to_cupy(topk_idx, "topk_idx"), arrays.to_cupy(topk_weights, "topk_weights")
+        out_arr = None
+        if out is not None:
+            arrays.check(out, "out", dtype="bfloat16", shape=(("N", num_tokens), ("H", hidden)), device=dev)
+            out_arr = arrays.to_cupy(out, "out")
+        s = self._low_latency_set(ll, "combine")
+        caller = self._begin(None)
+        with self.comm_stream:
+            if out_arr is None:
+                out_arr = self._empty((num_tokens, hidden), y_arr.dtype)
+
+            def launch(phases: int) -> None:
+                ll.module.launch(
+                    "ll_combine", ll.num_sms, LOW_LATENCY_THREADS, self.mem.table_ptr, y_arr, handle.src_info_cupy,
+                    handle.topk_slot, handle.layout_range_cupy, idx_arr, w_arr, out_arr, num_tokens,
+                    handle.num_topk, hidden, e, m, s, phases, ll.force_puts, ll.sync, ll.host_status.device_ptr,
+                    stream=self.comm_stream)
+
+            launch(PHASE_SEND if return_recv_hook else PHASE_SEND | PHASE_RECV)
+        event = self._finish(caller, async_finish)
+        hook = self._low_latency_hook(ll, s, "combine", lambda: launch(PHASE_RECV), async_finish, y) \
+            if return_recv_hook else None
+        result_x = out if out is not None else arrays.from_cupy(out_arr, y_info.framework, name="combined_x")
+        return LowLatencyCombineResult(result_x, event, hook)
+
+    def clean_low_latency_buffer(self) -> None:
+        """Collective: forget every low-latency call (epochs, signals, pending hooks), e.g. after an error that
+        left ranks out of step. Every rank must call it, with no low-latency work in flight."""
+        ll = self._ll
+        if ll is None:
+            raise EpjitError(with_rank("this Buffer was not made with low_latency_mode=True"))
+        self._sync()
+        self.group.barrier()
+        cupy = _cupy()
+        with self._device:
+            ll.sync.fill(0)
+            ll.finish_counters.fill(0)
+            heap = self.mem.sym
+            assert heap is not None
+            cupy.cuda.runtime.memset(heap.base, 0, low_latency_size_hint(
+                self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_ranks, self.num_experts))
+            cupy.cuda.runtime.deviceSynchronize()
+        ll.host_status.view(np.int32)[0] = 0
+        ll.next_set = 0
+        ll.pending = [None, None]
+        self.group.barrier()
 
     # ------------------------------------------------------------------------------------------------ misc
 
@@ -662,4 +1207,5 @@ class Buffer:
         self._check_pending()
 
 
-__all__ = ["Buffer", "CombineResult", "Config", "DispatchHandle", "DispatchLayout", "DispatchResult", "Event"]
+__all__ = ["Buffer", "CombineResult", "Config", "DispatchHandle", "DispatchLayout", "DispatchResult", "Event",
+           "LowLatencyCombineResult", "LowLatencyDispatchResult", "LowLatencyHandle"]

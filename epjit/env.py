@@ -40,6 +40,8 @@ class Settings:
     poison_outputs: bool
     profile: bool
     collective_timeout_s: float | None = None
+    ll_force_puts: bool = False
+    ll_num_sms: int = 0
 
 
 def settings() -> Settings:
@@ -62,6 +64,11 @@ def settings() -> Settings:
         # before it raises CollectiveError. Unset: wait for ever (ranks may legitimately wait minutes while one
         # of them compiles; the launcher or mpirun ends the job when a rank dies).
         collective_timeout_s=_optional_float("EPJIT_COLLECTIVE_TIMEOUT_S"),
+        # Low-latency kernels: use NVSHMEM puts and signals even where NVLink gives a direct pointer (how the
+        # put path, which a cluster without NVLink between nodes takes, is tested on one node).
+        ll_force_puts=os.environ.get("EPJIT_LL_FORCE_PUTS", "0") not in ("", "0"),
+        # Blocks (one per SM) of a low-latency kernel; 0: min(SMs, 64). For tuning sweeps.
+        ll_num_sms=int(_float("EPJIT_LL_NUM_SMS", 0)),
     )
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 from ..jit.spec import KernelSpec
 from .foundation import BarrierSpec, PutSignalCheckSpec
 from .intranode import NUM_THREADS, IntranodeNotifySpec, IntranodeSpec, LayoutSpec
+from .low_latency import LowLatencySpec
 
 __all__ = [
     "BarrierSpec",
     "IntranodeNotifySpec",
     "IntranodeSpec",
     "LayoutSpec",
+    "LowLatencySpec",
     "PutSignalCheckSpec",
     "check_specs",
 ]
@@ -22,4 +24,5 @@ def check_specs() -> list[KernelSpec]:
     specs += [PutSignalCheckSpec(False), PutSignalCheckSpec(True), LayoutSpec()]
     for ranks in (2, 4, 8):
         specs += [IntranodeNotifySpec(ranks), IntranodeSpec(ranks, NUM_THREADS)]
+    specs.append(LowLatencySpec())
     return specs

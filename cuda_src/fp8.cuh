@@ -1,0 +1,62 @@
+// Per-token FP8 (e4m3) quantisation with one float32 scale per 128 channels, bit-identical to
+// epjit/reference.py:per_token_cast_to_fp8: amax = max(max|x|, 1e-4); scale = amax / 448 (IEEE division), rounded
+// up to a power of two with round_scale; q = e4m3_satfinite(x * (1 / scale)) with a float32 multiply (no FMA).
+#pragma once
+
+#include "bf16.cuh"
+#include "ptx.cuh"
+#include "types.cuh"
+
+namespace epjit {
+
+constexpr int kFp8BlockChannels = 128;
+constexpr float kFp8Max = 448.0f;
+constexpr float kFp8AmaxFloor = 1e-4f;
+
+// Smallest power of two >= a positive normal float, from its bits (as the reference does: no log2 rounding).
+__device__ __forceinline__ float pow2_ceil(float v) {
+    const uint32_t bits = __float_as_uint(v);
+    const int exponent = static_cast<int>((bits >> 23) & 0xffu) + ((bits & 0x7fffffu) != 0 ? 1 : 0);
+    return __uint_as_float(static_cast<uint32_t>(exponent) << 23);
+}
+
+__device__ __forceinline__ float fp8_scale(float amax, bool round_scale) {
+    const float scale = __fdiv_rn(fmaxf(amax, kFp8AmaxFloor), kFp8Max);
+    return round_scale ? pow2_ceil(scale) : scale;
+}
+
+// The biased exponent byte of a power-of-two scale (UE8M0).
+__device__ __forceinline__ uint8_t ue8m0_of(float pow2_scale) {
+    return static_cast<uint8_t>((__float_as_uint(pow2_scale) >> 23) & 0xffu);
+}
+
+// The 8 bf16 of v as floats.
+__device__ __forceinline__ void unpack_bf16x8(const int4& v, float* out) {
+    const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y), static_cast<uint32_t>(v.z),
+                           static_cast<uint32_t>(v.w)};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[2 * i] = bf16_lo(w[i]);
+        out[2 * i + 1] = bf16_hi(w[i]);
+    }
+}
+
+// Eight floats times `inverse`, to eight e4m3 bytes in channel order.
+__device__ __forceinline__ uint2 quantize_x8(const float* values, float inverse) {
+    uint32_t half[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        half[i] = ptx::cvt_rn_satfinite_e4m3x2_f32(__fmul_rn(values[2 * i + 1], inverse),
+                                                   __fmul_rn(values[2 * i], inverse));
+    return make_uint2(half[0] | (half[1] << 16), half[2] | (half[3] << 16));
+}
+
+// amax over the 16 lanes that hold one 128-channel block (8 channels a lane, lanes 16-aligned). Every lane of the
+// warp must call it (lanes without data pass 0).
+__device__ __forceinline__ float block128_amax(float lane_amax) {
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) lane_amax = fmaxf(lane_amax, __shfl_xor_sync(0xffffffffu, lane_amax, o));
+    return lane_amax;
+}
+
+}  // namespace epjit

@@ -1,0 +1,424 @@
+// Low-latency dispatch and combine for decode (DeepEP's low-latency kernels; seed 000, seed 004).
+//
+// No count round trip: every (local expert, source rank) pair owns M = num_max_dispatch_tokens_per_rank message
+// slots in the symmetric heap of the expert's rank (layout: low_latency.cuh), so a source writes each message at
+// an address it computes alone.
+//
+//   dispatch send   block b takes tokens b, b + grid, ...: the block stages the token (FP8-quantised, or bf16) in
+//                   shared memory, then warp k writes it to expert topk_idx[t][k]: into slot i of (expert, me),
+//                   where i counts the earlier (token, k) of this rank naming that expert, so the slot order is
+//                   the token order and repeated runs are bit-identical. Direct NVLink stores through
+//                   nvshmem_ptr's pointer, or an NVSHMEM warp put where there is none. Each sent message bumps a
+//                   local per-expert counter; a warp per expert counts what this rank sends it, waits until the
+//                   counter says all of it is out, then writes the count as -(n+1) after the data (release store,
+//                   or NVSHMEM signal after quiet), so the count's arrival proves the data landed.
+//   dispatch recv   W warps per (local expert, source): wait for the counts of all sources of the expert (the
+//                   prefix over sources is where this source's block starts), copy its messages into
+//                   recv_x [L][R*M][H] and fill recv_count, layout_range and src_info.
+//   combine send    W warps per (local expert, source): each received row of y goes back to slot (token, k) of
+//                   its home rank; after the last row of the pair, one flag for the expert.
+//   combine recv    wait for the flags of every expert, then each block sums its tokens' top-k slots with the
+//                   gate weights in float32 (k order, as the reference) and writes bf16.
+//
+// `phases` selects send, receive or both: with return_recv_hook the host launches the send half now and the
+// receive half when the caller runs the hook, so no SM waits while bytes are in flight.
+//
+// Signals carry the epoch of the call (low_latency.cuh); the last block of a call's receive half advances it.
+#include "bf16.cuh"
+#include "copy.cuh"
+#include "fp8.cuh"
+#include "low_latency.cuh"
+#include "nvshmem.cuh"
+#include "ptx.cuh"
+#include "wait.cuh"
+
+namespace epjit {
+
+constexpr int kLowLatencyThreads = 1024;
+constexpr int kLowLatencyWarps = kLowLatencyThreads / 32;
+constexpr int kPhaseSend = 1;
+constexpr int kPhaseRecv = 2;
+
+// Call flags (epjit/buffer.py mirrors them).
+constexpr int kFlagFp8 = 1;
+constexpr int kFlagRoundScale = 2;
+constexpr int kFlagUe8m0 = 4;
+
+// Status bits, sticky in LowLatencySync::status until the host has read them (epjit/buffer.py mirrors them).
+constexpr int kLowLatencyInvalidIds = 1;    // topk_idx entries outside [-1, num_experts): skipped
+constexpr int kLowLatencySlotOverflow = 2;  // > M top-k slots of one rank name one expert (repeats): dropped
+constexpr int kLowLatencyMetaMismatch = 4;  // a message with another hidden size or FP8 setting arrived
+constexpr int kLowLatencyLayoutTooBig = 8;  // the two sets do not fit the heap (host and header disagree): no-op
+
+// What every message carries so a receiver can tell a peer called with other sizes (only the wire format counts).
+__device__ __forceinline__ int message_meta(int hidden, int flags) { return (hidden << 1) | (flags & kFlagFp8); }
+
+__device__ __forceinline__ uint64_t epoch_signal(int epoch, uint32_t value) {
+    return (static_cast<uint64_t>(static_cast<uint32_t>(epoch)) << 32) | value;
+}
+
+__device__ __forceinline__ int signal_epoch(uint64_t word) { return static_cast<int>(word >> 32); }
+
+// Warps per (local expert, source) pair: a power of two, all in one block; as many as the grid allows.
+// `barrier_friendly` leaves out 2 (16 groups a block would need named barriers 1..16; there are 15).
+__device__ __forceinline__ int warps_per_pair(int num_pairs, bool barrier_friendly) {
+    const int total = static_cast<int>(gridDim.x) * kLowLatencyWarps;
+    int w = 1;
+    while (w < kLowLatencyWarps && 2 * w * num_pairs <= total) w *= 2;
+    return barrier_friendly && w == 2 ? 1 : w;
+}
+
+// Every block calls this last. The last block to finish publishes the status and, after a receive half,
+// advances the set's epoch (every block has read it by then: each read it first) and tells every rank that this
+// call's messages on the set have been read (the release orders every block's reads before it).
+__device__ __forceinline__ void finish_call(const PeersTable* peers, const LowLatencyLayout& lay,
+                                            LowLatencySync* sync, int set, bool receive_half, int epoch,
+                                            int force_puts, int* host_status) {
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    ptx::fence_acq_rel_gpu();
+    if (atomicAdd(&sync->done[set], 1) != static_cast<int>(gridDim.x) - 1) return;
+    ptx::fence_acq_rel_gpu();
+    sync->done[set] = 0;
+    if (receive_half) {
+        sync->epoch[set] = epoch;
+        uint64_t* word = lay.acks + peers->rank;
+        const uint64_t ack = epoch_signal(epoch, 0u);
+        for (int pe = 0; pe < peers->num_ranks; ++pe) {
+            uint64_t* remote = force_puts ? nullptr : on_peer(peers, word, pe);
+            if (remote != nullptr)
+                ptx::st_release_sys_u64(remote, ack);
+            else
+                nvshmemx_signal_op(word, ack, NVSHMEM_SIGNAL_SET, pe);
+        }
+    }
+    const int status = atomicExch(&sync->status, 0);
+    if (status != 0) ptx::st_release_sys_s32(host_status, ptx::ld_volatile_s32(host_status) | status);
+}
+
+// Before a send half writes into any rank's copy of the set: every rank has read the set's previous call.
+__device__ __forceinline__ void wait_for_acks(const PeersTable* peers, const LowLatencyLayout& lay, int epoch,
+                                              const char* site) {
+    for (int pe = static_cast<int>(threadIdx.x); pe < peers->num_ranks; pe += static_cast<int>(blockDim.x)) {
+        const uint64_t* word = lay.acks + pe;
+        timeout_while(peers, WaitSite{site, pe, -1, epoch - 1}, [&](int64_t& seen) {
+            seen = signal_epoch(ptx::ld_acquire_sys_u64(word));
+            return seen < epoch - 1;
+        });
+    }
+    __syncthreads();
+}
+
+// The host sizes the heap with its mirror of LowLatencyLayout; if the two ever disagree, do nothing rather than
+// write past the allocation (the host reports the bit; peers waiting on this rank time out naming it).
+__device__ __forceinline__ bool layout_fits(const PeersTable* peers, const LowLatencyLayout& lay,
+                                            LowLatencySync* sync) {
+    if (2 * lay.set_bytes <= peers->sym_bytes) return true;
+    if (threadIdx.x == 0) atomicOr(&sync->status, kLowLatencyLayoutTooBig);
+    return false;
+}
+
+// True when some rank needs NVSHMEM puts (no NVLink pointer), or the caller forces puts.
+__device__ __forceinline__ bool needs_puts(const PeersTable* peers, int force_puts) {
+    if (force_puts) return true;
+    for (int pe = 0; pe < peers->num_ranks; ++pe)
+        if (peers->sym_peer[pe] == nullptr) return true;
+    return false;
+}
+
+// ---------------------------------------------------------------------------------------------------- dispatch
+
+// Warp `k` of the block sends token t (staged in shared memory) to its k-th expert.
+__device__ __forceinline__ void send_to_expert(const PeersTable* peers, const LowLatencyLayout& lay,
+                                               const int64_t* topk_idx, const int4* payload, int payload_int4,
+                                               int t, int k, int num_topk, int num_experts, int max_tokens,
+                                               int meta, int force_puts, int* finish_counters,
+                                               LowLatencySync* sync, int lane) {
+    const int64_t j = static_cast<int64_t>(t) * num_topk + k;
+    const int64_t expert = __ldg(topk_idx + j);
+    if (expert < 0 || expert >= num_experts) return;  // -1: no expert; others are reported by block 0
+    int slot = 0;
+    for (int64_t i = lane; i < j; i += 32) slot += __ldg(topk_idx + i) == expert;
+    slot = warp_sum(slot);
+    if (slot >= max_tokens) {
+        if (lane == 0) atomicOr(&sync->status, kLowLatencySlotOverflow);
+        return;
+    }
+    const int num_local = num_experts / peers->num_ranks;
+    const int dst = static_cast<int>(expert) / num_local;
+    int4* mine = lay.dispatch_slot(static_cast<int>(expert) % num_local, peers->rank, slot);
+    const int4 header = make_int4(t, k, meta, 0);
+    int4* remote = force_puts ? nullptr : on_peer(peers, mine, dst);
+    if (remote != nullptr) {
+        if (lane == 0) ptx::st_global_L1_no_allocate_v4(remote, header);
+        for (int i = lane; i < payload_int4; i += 32) ptx::st_global_L1_no_allocate_v4(remote + 1 + i, payload[i]);
+    } else {
+        int4* staged_header = lay.staging_headers + static_cast<int64_t>(t) * kLowLatencyMaxTopk + k;
+        if (lane == 0) *staged_header = header;
+        __syncwarp();
+        nvshmemx_putmem_nbi_warp(mine, staged_header, kLowLatencyHeaderBytes, dst);
+        nvshmemx_putmem_nbi_warp(mine + 1, lay.staging + t * lay.msg_bytes, payload_int4 * 16, dst);
+        nvshmem_quiet();  // delivered before the counter says so (the count signal follows the counter)
+    }
+    __syncwarp();
+    if (lane == 0) ptx::red_add_release_gpu_s32(finish_counters + expert, 1);
+}
+
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int num_tokens, int num_topk,
+            int hidden, int num_experts, int max_tokens, int set, int phases, int flags, int force_puts,
+            int* finish_counters, LowLatencySync* sync, int* host_status, int4* recv_x, void* recv_scales,
+            int* recv_src_info, int* recv_topk_slot, int64_t* layout_range, int* recv_count,
+            int* cumulative_stats) {
+    const int me = peers->rank, num_ranks = peers->num_ranks, num_local = num_experts / num_ranks;
+    const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+    const int epoch = ptx::ld_volatile_s32(&sync->epoch[set]) + 1;
+    const LowLatencyLayout lay(peers->sym_base, set, num_ranks, num_experts, max_tokens, hidden);
+    const bool fp8 = flags & kFlagFp8;
+    const int meta = message_meta(hidden, flags);
+    const int num_scales = hidden / kFp8BlockChannels;
+    const int x_int4 = hidden / 8;  // a bf16 row
+    const int payload_int4 = fp8 ? (hidden + num_scales * 4 + 15) / 16 : x_int4;
+    extern __shared__ int4 staged[];  // one token's payload
+    if (!layout_fits(peers, lay, sync)) phases = 0;
+
+    if (phases & kPhaseSend) {
+        wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)");
+        const bool puts = needs_puts(peers, force_puts);
+        for (int t = static_cast<int>(blockIdx.x); t < num_tokens; t += static_cast<int>(gridDim.x)) {
+            const int4* row = x + static_cast<int64_t>(t) * x_int4;
+            if (fp8) {
+                auto* bytes = reinterpret_cast<uint2*>(staged);
+                auto* scales = reinterpret_cast<float*>(reinterpret_cast<char*>(staged) + hidden);
+                // Whole warps walk the row so the 16 lanes of a 128-channel block reduce together.
+                for (int base = warp * 32; base < x_int4; base += kLowLatencyThreads) {
+                    const int i = base + lane;
+                    float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                    float amax = 0.0f;
+                    if (i < x_int4) {
+                        unpack_bf16x8(ptx::ld_global_nc_L1_no_allocate_v4(row + i), v);
+#pragma unroll
+                        for (int c = 0; c < 8; ++c) amax = fmaxf(amax, fabsf(v[c]));
+                    }
+                    const float scale = fp8_scale(block128_amax(amax), flags & kFlagRoundScale);
+                    if (i < x_int4) {
+                        bytes[i] = quantize_x8(v, __fdiv_rn(1.0f, scale));
+                        if (i % 16 == 0) scales[i / 16] = scale;
+                    }
+                }
+            } else {
+                for (int i = static_cast<int>(threadIdx.x); i < x_int4; i += kLowLatencyThreads)
+                    staged[i] = ptx::ld_global_nc_L1_no_allocate_v4(row + i);
+            }
+            __syncthreads();
+            if (puts) {  // NVSHMEM puts read global memory: the block copies the payload to the staging row
+                int4* staging = reinterpret_cast<int4*>(lay.staging + t * lay.msg_bytes);
+                for (int i = static_cast<int>(threadIdx.x); i < payload_int4; i += kLowLatencyThreads)
+                    staging[i] = staged[i];
+                ptx::fence_acq_rel_gpu();
+                __syncthreads();
+            }
+            if (warp < num_topk)
+                send_to_expert(peers, lay, topk_idx, staged, payload_int4, t, warp, num_topk, num_experts,
+                               max_tokens, meta, force_puts, finish_counters, sync, lane);
+            __syncthreads();  // the staged payload is rewritten by the next token
+        }
+
+        // The count of each expert, after its data: a warp per expert, spread over the blocks.
+        const int num_slots = num_tokens * num_topk;
+        for (int expert = static_cast<int>(blockIdx.x) + warp * static_cast<int>(gridDim.x); expert < num_experts;
+             expert += kLowLatencyWarps * static_cast<int>(gridDim.x)) {
+            int n = 0;
+            for (int j = lane; j < num_slots; j += 32) n += __ldg(topk_idx + j) == expert;
+            n = min(warp_sum(n), max_tokens);
+            if (lane == 0) {
+                int* counter = finish_counters + expert;
+                timeout_while(peers, WaitSite{"ll_dispatch: this rank's sends to expert (channel) issued", -1,
+                                              expert, n},
+                              [&](int64_t& seen) {
+                                  seen = ptx::ld_acquire_gpu_s32(counter);
+                                  return seen != n;
+                              });
+                *counter = 0;  // every send of this call is counted; the next call's come after this kernel
+                const int dst = expert / num_local;
+                uint64_t* word = lay.counts + static_cast<int64_t>(expert % num_local) * num_ranks + me;
+                const uint64_t signal = epoch_signal(epoch, static_cast<uint32_t>(-(n + 1)));
+                uint64_t* remote = force_puts ? nullptr : on_peer(peers, word, dst);
+                if (remote != nullptr)
+                    ptx::st_release_sys_u64(remote, signal);
+                else
+                    nvshmemx_signal_op(word, signal, NVSHMEM_SIGNAL_SET, dst);
+            }
+        }
+        if (blockIdx.x == 0) {
+            bool invalid = false;
+            for (int j = static_cast<int>(threadIdx.x); j < num_slots; j += kLowLatencyThreads) {
+                const int64_t e = __ldg(topk_idx + j);
+                invalid |= e < -1 || e >= num_experts;
+            }
+            if (__syncthreads_or(invalid) && threadIdx.x == 0) atomicOr(&sync->status, kLowLatencyInvalidIds);
+        }
+    }
+
+    if (phases & kPhaseRecv) {
+        const int num_pairs = num_local * num_ranks;
+        const int w = warps_per_pair(num_pairs, false);
+        const int global_warp = static_cast<int>(blockIdx.x) * kLowLatencyWarps + warp;
+        const int sub = global_warp % w;
+        const int64_t rows_per_expert = static_cast<int64_t>(num_ranks) * max_tokens;
+        for (int pair = global_warp / w; pair < num_pairs; pair += static_cast<int>(gridDim.x) * kLowLatencyWarps / w) {
+            const int e = pair / num_ranks, src = pair % num_ranks;
+            // Counts of every source of expert e: the sources before `src` say where its block begins.
+            int begin = 0, total = 0, n = 0;
+            for (int base = 0; base < num_ranks; base += 32) {
+                const int s = base + lane;
+                int count = 0;
+                if (s < num_ranks) {
+                    const uint64_t* word = lay.counts + static_cast<int64_t>(e) * num_ranks + s;
+                    uint64_t seen_word = 0;
+                    timeout_while(peers, WaitSite{"ll_dispatch: count of local expert (channel) from peer", s, e,
+                                                  epoch},
+                                  [&](int64_t& seen) {
+                                      seen_word = ptx::ld_acquire_sys_u64(word);
+                                      seen = signal_epoch(seen_word);
+                                      return seen != epoch;
+                                  });
+                    count = -static_cast<int>(static_cast<uint32_t>(seen_word)) - 1;
+                }
+                begin += warp_sum(s < src ? count : 0);
+                total += warp_sum(count);
+                const int from = __shfl_sync(0xffffffffu, count, src & 31);
+                if (src >= base && src < base + 32) n = from;
+            }
+            if (sub == 0 && lane == 0) {
+                layout_range[pair] = (static_cast<int64_t>(begin) << 32) | static_cast<uint32_t>(n);
+                if (src == 0) {
+                    recv_count[e] = total;
+                    if (cumulative_stats != nullptr) atomicAdd(cumulative_stats + e, total);
+                }
+            }
+            for (int i = sub; i < n; i += w) {
+                const int4* msg = lay.dispatch_slot(e, src, i);
+                const int4 header = ptx::ld_volatile_global_v4(msg);
+                if (header.z != meta) {
+                    if (lane == 0) atomicOr(&sync->status, kLowLatencyMetaMismatch);
+                    continue;
+                }
+                const int64_t row = e * rows_per_expert + begin + i;
+                if (lane == 0) {
+                    recv_src_info[row] = header.x;
+                    recv_topk_slot[row] = header.y;
+                }
+                if (fp8) {
+                    warp_copy_peer_written(recv_x + row * (hidden / 16), msg + 1, hidden / 16, lane);
+                    const auto* scales = reinterpret_cast<const float*>(reinterpret_cast<const char*>(msg + 1) + hidden);
+                    for (int c = lane; c < num_scales; c += 32) {
+                        const float scale = ld_volatile_f32(scales + c);
+                        if (flags & kFlagUe8m0)
+                            static_cast<uint8_t*>(recv_scales)[row * num_scales + c] = ue8m0_of(scale);
+                        else
+                            static_cast<float*>(recv_scales)[row * num_scales + c] = scale;
+                    }
+                } else {
+                    warp_copy_peer_written(recv_x + row * x_int4, msg + 1, x_int4, lane);
+                }
+            }
+        }
+    }
+    finish_call(peers, lay, sync, set, (phases & kPhaseRecv) != 0, epoch, force_puts, host_status);
+}
+
+// ---------------------------------------------------------------------------------------------------- combine
+
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const int* topk_slot,
+           const int64_t* layout_range, const int64_t* topk_idx, const float* topk_weights, int4* out,
+           int num_tokens, int num_topk, int hidden, int num_experts, int max_tokens, int set, int phases,
+           int force_puts, LowLatencySync* sync, int* host_status) {
+    const int me = peers->rank, num_ranks = peers->num_ranks, num_local = num_experts / num_ranks;
+    const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+    const int epoch = ptx::ld_volatile_s32(&sync->epoch[set]) + 1;
+    const LowLatencyLayout lay(peers->sym_base, set, num_ranks, num_experts, max_tokens, hidden);
+    const int row_int4 = hidden / 8;
+    if (!layout_fits(peers, lay, sync)) phases = 0;
+
+    if (phases & kPhaseSend) {
+        wait_for_acks(peers, lay, epoch, "ll_combine: peer read this buffer set's previous call (ack)");
+        const int num_pairs = num_local * num_ranks;
+        const int w = warps_per_pair(num_pairs, true);
+        const int global_warp = static_cast<int>(blockIdx.x) * kLowLatencyWarps + warp;
+        const int sub = global_warp % w, group_in_block = warp / w;
+        const int64_t rows_per_expert = static_cast<int64_t>(num_ranks) * max_tokens;
+        for (int pair = global_warp / w; pair < num_pairs; pair += static_cast<int>(gridDim.x) * kLowLatencyWarps / w) {
+            const int e = pair / num_ranks, home = pair % num_ranks;
+            const int64_t packed = __ldg(layout_range + pair);
+            const int begin = static_cast<int>(packed >> 32), n = static_cast<int>(packed & 0xffffffff);
+            const bool direct = !force_puts && peers->sym_peer[home] != nullptr;
+            for (int i = sub; i < n; i += w) {
+                const int64_t row = e * rows_per_expert + begin + i;
+                int4* mine = lay.combine_slot(__ldg(src_info + row), __ldg(topk_slot + row));
+                const int4* src = y + row * row_int4;
+                if (direct)
+                    warp_copy(on_peer(peers, mine, home), src, row_int4, lane);
+                else
+                    nvshmemx_putmem_nbi_warp(mine, src, static_cast<size_t>(row_int4) * 16, home);
+            }
+            if (!direct) nvshmem_quiet();
+            // Every row of the pair is out (bar.sync orders the group's stores before the release below).
+            if (w > 1)
+                ptx::bar_sync(1 + group_in_block, w * 32);
+            else
+                __syncwarp();
+            if (sub == 0 && lane == 0) {
+                uint64_t* word = lay.flags + static_cast<int64_t>(me) * num_local + e;
+                const uint64_t signal = epoch_signal(epoch, 1u);
+                if (direct) {
+                    ptx::fence_acq_rel_sys();
+                    ptx::st_release_sys_u64(on_peer(peers, word, home), signal);
+                } else {
+                    nvshmemx_signal_op(word, signal, NVSHMEM_SIGNAL_SET, home);
+                }
+            }
+        }
+    }
+
+    if (phases & kPhaseRecv) {
+        for (int expert = static_cast<int>(threadIdx.x); expert < num_experts; expert += kLowLatencyThreads) {
+            const uint64_t* word = lay.flags + expert;
+            timeout_while(peers, WaitSite{"ll_combine: rows of expert (channel) from its rank", expert / num_local,
+                                          expert, epoch},
+                          [&](int64_t& seen) {
+                              seen = signal_epoch(ptx::ld_acquire_sys_u64(word));
+                              return seen != epoch;
+                          });
+        }
+        __syncthreads();
+        __shared__ int slot_valid[kLowLatencyMaxTopk];
+        __shared__ float slot_weight[kLowLatencyMaxTopk];
+        for (int t = static_cast<int>(blockIdx.x); t < num_tokens; t += static_cast<int>(gridDim.x)) {
+            if (static_cast<int>(threadIdx.x) < num_topk) {
+                const int64_t j = static_cast<int64_t>(t) * num_topk + threadIdx.x;
+                const int64_t expert = __ldg(topk_idx + j);
+                slot_valid[threadIdx.x] = expert >= 0 && expert < num_experts;
+                slot_weight[threadIdx.x] = __ldg(topk_weights + j);
+                if (expert < -1 || expert >= num_experts) atomicOr(&sync->status, kLowLatencyInvalidIds);
+            }
+            __syncthreads();
+            for (int i = static_cast<int>(threadIdx.x); i < row_int4; i += kLowLatencyThreads) {
+                float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                for (int k = 0; k < num_topk; ++k) {
+                    if (!slot_valid[k]) continue;
+                    float v[8];
+                    unpack_bf16x8(ptx::ld_volatile_global_v4(lay.combine_slot(t, k) + i), v);
+#pragma unroll
+                    for (int c = 0; c < 8; ++c) acc[c] = __fadd_rn(acc[c], __fmul_rn(v[c], slot_weight[k]));
+                }
+                out[static_cast<int64_t>(t) * row_int4 + i] = pack_bf16x8(acc);
+            }
+            __syncthreads();
+        }
+    }
+    finish_call(peers, lay, sync, set, (phases & kPhaseRecv) != 0, epoch, force_puts, host_status);
+}
+
+}  // namespace epjit

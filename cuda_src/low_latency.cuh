@@ -1,0 +1,104 @@
+// Layout of the NVSHMEM symmetric heap in low-latency mode (seed 000; DESIGN.md "low latency"), shared by the
+// kernels of low_latency.cu. The host mirror is epjit/kernels/low_latency.py:low_latency_set_bytes.
+//
+// Two sets, used alternately by successive calls, so a caller may hold one call's results while issuing the next.
+// Each set (R ranks, E experts, L = E/R local experts, M = num_max_dispatch_tokens_per_rank, H = hidden):
+//
+//   counts          uint64 [L][R src]           dispatch: (epoch << 32) | (uint32)-(n+1), n = rows src sent to l
+//   flags           uint64 [E]                  combine: (epoch << 32) | 1, from the owner of expert g
+//   acks            uint64 [R]                  epoch << 32: rank r has read everything this set brought it in
+//                                               that call; a sender waits for it before the set's next call
+//   dispatch slots  [L][R src][M] x msg         one message per (token, chosen expert): header + payload
+//   combine slots   [M][kLowLatencyMaxTopk] x 2H   expert output for (token, k), at the token's home rank
+//   staging         [M] x msg + [M][kLowLatencyMaxTopk] x 16   what NVSHMEM puts read (only where no NVLink pointer)
+//
+// A message: int4 header {source token, k, meta, 0} then FP8 bytes [H] + float scales [H/128], or bf16 [H]; its
+// stride fits the larger (bf16). Signal words carry the epoch of the call that wrote them (each rank counts the
+// calls on each set in device memory, identically), so no word ever needs cleaning between calls and a word left
+// by an older call never passes for this one's. The acks stop a rank that runs ahead (receive hooks let a rank have
+// two calls in flight) from overwriting a set a slower peer is still reading.
+#pragma once
+
+#include "peers.cuh"
+
+namespace epjit {
+
+constexpr int kLowLatencyMaxTopk = 16;
+constexpr int kLowLatencyHeaderBytes = 16;
+
+__host__ __device__ constexpr int64_t ll_align(int64_t n) { return (n + 255) / 256 * 256; }
+
+__host__ __device__ constexpr int64_t ll_msg_bytes(int hidden) {
+    return (kLowLatencyHeaderBytes + 2 * static_cast<int64_t>(hidden) + 15) / 16 * 16;
+}
+
+struct LowLatencyLayout {
+    uint64_t* counts;
+    uint64_t* flags;
+    uint64_t* acks;
+    char* dispatch_slots;
+    char* combine_slots;
+    char* staging;
+    int4* staging_headers;
+    int64_t msg_bytes, combine_row_bytes, set_bytes;
+    int num_ranks, max_tokens;
+
+    __host__ __device__ LowLatencyLayout(void* sym_base, int set, int num_ranks_, int num_experts, int max_tokens_,
+                                         int hidden)
+        : msg_bytes(ll_msg_bytes(hidden)), combine_row_bytes(2 * static_cast<int64_t>(hidden)),
+          num_ranks(num_ranks_), max_tokens(max_tokens_) {
+        const int64_t R = num_ranks, E = num_experts, L = num_experts / num_ranks, M = max_tokens;
+        int64_t off = 0;
+        const int64_t counts_off = off;
+        off += ll_align(L * R * 8);
+        const int64_t flags_off = off;
+        off += ll_align(E * 8);
+        const int64_t acks_off = off;
+        off += ll_align(R * 8);
+        const int64_t dispatch_off = off;
+        off += ll_align(L * R * M * msg_bytes);
+        const int64_t combine_off = off;
+        off += ll_align(M * kLowLatencyMaxTopk * combine_row_bytes);
+        const int64_t staging_off = off;
+        off += ll_align(M * msg_bytes);
+        const int64_t headers_off = off;
+        off += ll_align(M * kLowLatencyMaxTopk * kLowLatencyHeaderBytes);
+        set_bytes = off;
+        char* base = static_cast<char*>(sym_base) + set * set_bytes;
+        counts = reinterpret_cast<uint64_t*>(base + counts_off);
+        flags = reinterpret_cast<uint64_t*>(base + flags_off);
+        acks = reinterpret_cast<uint64_t*>(base + acks_off);
+        dispatch_slots = base + dispatch_off;
+        combine_slots = base + combine_off;
+        staging = base + staging_off;
+        staging_headers = reinterpret_cast<int4*>(base + headers_off);
+    }
+
+    __device__ int4* dispatch_slot(int local_expert, int src, int i) const {
+        return reinterpret_cast<int4*>(
+            dispatch_slots + ((static_cast<int64_t>(local_expert) * num_ranks + src) * max_tokens + i) * msg_bytes);
+    }
+    __device__ int4* combine_slot(int token, int k) const {
+        return reinterpret_cast<int4*>(
+            combine_slots + (static_cast<int64_t>(token) * kLowLatencyMaxTopk + k) * combine_row_bytes);
+    }
+};
+
+// Where a word of my symmetric heap sits on PE `pe`, when NVLink reaches it (nvshmem_ptr), else nullptr.
+template <typename T>
+__device__ __forceinline__ T* on_peer(const PeersTable* peers, T* mine, int pe) {
+    char* peer_base = static_cast<char*>(peers->sym_peer[pe]);
+    if (peer_base == nullptr) return nullptr;
+    return reinterpret_cast<T*>(peer_base + (reinterpret_cast<char*>(mine) - static_cast<char*>(peers->sym_base)));
+}
+
+// Per-Buffer device words (plain device memory, zeroed at creation): the epoch of each set, the blocks of the
+// running call that have finished (the last one advances the epoch) and the status bits the host reads.
+struct LowLatencySync {
+    int32_t epoch[2];
+    int32_t done[2];
+    int32_t status;
+    int32_t pad[3];
+};
+
+}  // namespace epjit

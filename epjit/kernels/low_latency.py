@@ -1,0 +1,76 @@
+"""Spec of the low-latency kernels (cuda_src/low_latency.cu) and the host mirror of their symmetric-heap layout
+(cuda_src/low_latency.cuh). Pure Python: testable without a GPU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..jit.spec import KernelSpec
+
+PEERS = ("peers", "const PeersTable*")
+LOW_LATENCY_THREADS = 1024
+LOW_LATENCY_MAX_TOPK = 16  # kLowLatencyMaxTopk: combine slots per token
+LOW_LATENCY_HEADER_BYTES = 16
+SYNC_BYTES = 32  # sizeof(LowLatencySync)
+PHASE_SEND, PHASE_RECV = 1, 2
+FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4
+STATUS_INVALID_IDS, STATUS_SLOT_OVERFLOW, STATUS_META_MISMATCH, STATUS_LAYOUT_TOO_BIG = 1, 2, 4, 8
+
+
+@dataclass(frozen=True)
+class LowLatencySpec(KernelSpec):
+    """cuda_src/low_latency.cu: dispatch and combine halves (send, receive or both per launch)."""
+
+    SOURCE = "low_latency.cu"
+    KERNELS = {
+        "ll_dispatch": (
+            PEERS, ("x", "const int4*"), ("topk_idx", "const int64_t*"), ("num_tokens", "int"), ("num_topk", "int"),
+            ("hidden", "int"), ("num_experts", "int"), ("max_tokens", "int"), ("set", "int"), ("phases", "int"),
+            ("flags", "int"), ("force_puts", "int"), ("finish_counters", "int*"), ("sync", "LowLatencySync*"),
+            ("host_status", "int*"), ("recv_x", "int4*"), ("recv_scales", "void*"), ("recv_src_info", "int*"),
+            ("recv_topk_slot", "int*"), ("layout_range", "int64_t*"), ("recv_count", "int*"),
+            ("cumulative_stats", "int*")),
+        "ll_combine": (
+            PEERS, ("y", "const int4*"), ("src_info", "const int*"), ("topk_slot", "const int*"),
+            ("layout_range", "const int64_t*"), ("topk_idx", "const int64_t*"), ("topk_weights", "const float*"),
+            ("out", "int4*"), ("num_tokens", "int"), ("num_topk", "int"), ("hidden", "int"), ("num_experts", "int"),
+            ("max_tokens", "int"), ("set", "int"), ("phases", "int"), ("force_puts", "int"),
+            ("sync", "LowLatencySync*"), ("host_status", "int*")),
+    }
+    USES_NVSHMEM = True
+
+
+def _align(n: int) -> int:
+    return (n + 255) // 256 * 256
+
+
+def message_bytes(hidden: int) -> int:
+    """Stride of one dispatch message: 16-byte header + the larger payload (bf16), 16-byte aligned."""
+    return (LOW_LATENCY_HEADER_BYTES + 2 * hidden + 15) // 16 * 16
+
+
+def low_latency_set_bytes(num_ranks: int, num_experts: int, max_tokens: int, hidden: int) -> int:
+    """Bytes of one buffer set (the mirror of LowLatencyLayout's constructor)."""
+    r, e, m = num_ranks, num_experts, max_tokens
+    local = e // r
+    msg = message_bytes(hidden)
+    sizes = [local * r * 8, e * 8, r * 8, local * r * m * msg, m * LOW_LATENCY_MAX_TOPK * 2 * hidden, m * msg,
+             m * LOW_LATENCY_MAX_TOPK * LOW_LATENCY_HEADER_BYTES]
+    return sum(_align(s) for s in sizes)
+
+
+def low_latency_size_hint(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """Symmetric-heap bytes per rank for low-latency mode: two sets."""
+    return 2 * low_latency_set_bytes(num_ranks, num_experts, max_tokens, hidden)
+
+
+def deepep_low_latency_size_hint(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """DeepEP's get_low_latency_rdma_size_hint (its LowLatencyLayout, FP8 scales as floats), for comparison."""
+    num_scales = hidden // 128
+    dispatch_msg = 16 + max(hidden * 2, hidden + num_scales * 4)
+    combine_msg = num_scales * 4 + hidden * 2
+    send = max(max_tokens * dispatch_msg, num_experts * max_tokens * combine_msg)
+    recv = max(num_experts * max_tokens * dispatch_msg, num_experts * max_tokens * combine_msg)
+    signaling = num_experts * 4
+    per_set = send + recv + 2 * signaling
+    return 2 * per_set

@@ -1,0 +1,335 @@
+"""One rank of the low-latency GPU check: dispatch (FP8 with plain, rounded and UE8M0 scales, and bf16) and combine
+against epjit.reference, with and without the receive hook, captured in a CUDA graph and replayed, 1000 calls
+alternating the buffer sets, and the Safe rules. Every rank builds every rank's inputs from the same seed and
+checks its own outputs. Prints ``RESULT {json}``; exits non-zero on the first mismatch.
+
+    python -m epjit.launch -n 4 tests/ranks/low_latency.py [--quick] [--loops 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+from intranode import BF16, Mismatch, same, to_numpy, to_torch  # noqa: E402  (sibling rank script)
+
+import epjit
+from epjit import reference
+
+os.environ.setdefault("EPJIT_POISON_OUTPUTS", "1")
+
+
+def sync(buf) -> None:
+    """Wait for the GPU; a kernel that timed out becomes EpjitTimeoutError saying what it waited for."""
+    try:
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 (the CUDA error of a trapped kernel, from whichever library saw it)
+        buf.mem.raise_for(e)
+
+
+def make_inputs(seed: int, counts: list[int], hidden: int, topk: int, num_experts: int, holes: float,
+                repeats: bool = False):
+    """Every rank's x, topk_idx, topk_weights. With ``repeats`` a token may name an expert twice."""
+    rng = np.random.default_rng(seed)
+    xs, idxs, ws = [], [], []
+    for n in counts:
+        xs.append((rng.standard_normal((n, hidden), dtype=np.float32) * 3).astype(BF16))
+        if repeats:
+            idx = rng.integers(0, num_experts, (n, topk)).astype(np.int64)
+        else:
+            idx = np.argsort(rng.random((n, num_experts)), axis=1)[:, :topk].astype(np.int64)
+        if holes:
+            idx[rng.random(idx.shape) < holes] = -1
+        idxs.append(idx)
+        ws.append(rng.random((n, topk), dtype=np.float32))
+    return xs, idxs, ws
+
+
+def expert_factor(expert: np.ndarray | int) -> np.ndarray:
+    """What the test's expert g does to a token: multiply by 2**(g % 4 - 2), exact in bf16 and float32."""
+    return np.ldexp(np.float32(1), (np.asarray(expert) % 4) - 2).astype(np.float32)
+
+
+def expert_outputs(d, xs: list[np.ndarray], rank: int, R: int, num_experts: int) -> np.ndarray:
+    """y for combine in the received layout: row (e, i) from source s, token t is xs[s][t] * factor(expert);
+    rows past each expert's count are NaN, so a combine that reads them shows it."""
+    src_info = to_numpy(d.handle.src_info)
+    layout_range = to_numpy(d.handle.layout_range)
+    num_local = num_experts // R
+    y = np.full(src_info.shape + (xs[0].shape[1],), np.nan, dtype=np.float32)
+    for e in range(num_local):
+        for s in range(R):
+            begin, count = int(layout_range[e, s] >> 32), int(layout_range[e, s] & 0xFFFFFFFF)
+            rows = slice(begin, begin + count)
+            y[e, rows] = xs[s][src_info[e, rows]].astype(np.float32) * expert_factor(rank * num_local + e)
+    return y.astype(BF16)
+
+
+def expected_combine(x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The reference's combine formula for the test's experts: bf16(sum_k w * float32(x * factor)) in k order."""
+    acc = np.zeros(x.shape, dtype=np.float32)
+    for k in range(idx.shape[1]):
+        valid = idx[:, k] >= 0
+        y = x.astype(np.float32) * expert_factor(np.where(valid, idx[:, k], 0))[:, None]
+        acc[valid] += (y * w[:, k][:, None])[valid]
+    return acc.astype(BF16)
+
+
+def check_dispatch(name: str, d, want: reference.LowLatencyDispatchResult) -> None:
+    recv_count = to_numpy(d.recv_count)
+    same(f"{name} recv_count", recv_count, want.recv_count)
+    same(f"{name} layout_range", to_numpy(d.handle.layout_range), want.handle.layout_range)
+    src_info, x = to_numpy(d.handle.src_info), to_numpy(d.x)
+    scales = to_numpy(d.x_scales) if d.x_scales is not None else None
+    for e, n in enumerate(recv_count.tolist()):
+        same(f"{name} src_info[{e}]", src_info[e, :n], want.src_info[e, :n])
+        same(f"{name} x[{e}]", x[e, :n], want.x[e, :n])
+        if scales is not None:
+            same(f"{name} x_scales[{e}]", scales[e, :n], want.x_scales[e, :n])
+
+
+def deepep_diff(d, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, buf, use_fp8: bool, ue8m0: bool) -> float:
+    """DeepEP's test: combine the dequantised dispatch output with identity experts; compare with x * sum(w)."""
+    if use_fp8:
+        scales = d.x_scales.float() if not ue8m0 else torch.ldexp(torch.ones_like(d.x_scales, dtype=torch.float32),
+                                                                   d.x_scales.to(torch.int32) - 127)
+        y = (d.x.float() * scales.repeat_interleave(128, dim=-1)).to(torch.bfloat16)
+    else:
+        y = d.x
+    c = buf.low_latency_combine(y, idx, w, d.handle)
+    if x.shape[0] == 0:
+        return 0.0
+    want = (x.float() * (w * (idx >= 0)).sum(1, keepdim=True)).to(torch.bfloat16)
+    return reference.calc_diff(to_numpy(c.x).astype(np.float32), to_numpy(want).astype(np.float32))
+
+
+def run_case(buf, rank: int, R: int, seed: int, counts: list[int], topk: int, holes: float, use_fp8: bool,
+             round_scale: bool, ue8m0: bool, hook: bool, repeats: bool = False, small: bool = False) -> dict:
+    m, hidden, experts = buf.num_max_dispatch_tokens_per_rank, buf.hidden, buf.num_experts
+    xs, idxs, ws = make_inputs(seed, counts, hidden, topk, experts, holes, repeats)
+    x, idx, w = to_torch(xs[rank]), to_torch(idxs[rank]), to_torch(ws[rank])
+    name = (f"case seed={seed} counts={counts} H={hidden} E={experts} top-{topk} fp8={use_fp8} round={round_scale} "
+            f"ue8m0={ue8m0} hook={hook}")
+    d = buf.low_latency_dispatch(x, idx, m, experts, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=ue8m0,
+                                 return_recv_hook=hook)
+    if hook:
+        d.hook()
+    sync(buf)
+    want = reference.low_latency_dispatch(xs, idxs, m, experts, use_fp8=use_fp8, round_scale=round_scale,
+                                          use_ue8m0=ue8m0)
+    check_dispatch(name, d, want[rank])
+
+    y = to_torch(expert_outputs(d, xs, rank, R, experts))
+    c = buf.low_latency_combine(y, idx, w, d.handle, return_recv_hook=hook)
+    if hook:
+        c.hook()
+    sync(buf)
+    same(f"{name} combined", to_numpy(c.x), expected_combine(xs[rank], idxs[rank], ws[rank]))
+    if small:  # the reference's own combine, which needs every rank's y in the reference layout
+        ys = [expert_outputs_ref(want[r], xs, r, R, experts) for r in range(R)]
+        ref_c = reference.low_latency_combine(ys, idxs, ws, [r_.handle for r_ in want])
+        same(f"{name} combined vs reference.low_latency_combine", to_numpy(c.x), ref_c[rank])
+    out = torch.full_like(x, float("nan"))
+    c2 = buf.low_latency_combine(y, idx, w, d.handle, out=out)
+    sync(buf)
+    if c2.x.data_ptr() != out.data_ptr():
+        raise Mismatch(f"{name}: combine(out=) returned another array")
+    same(f"{name} combined into out", to_numpy(out), to_numpy(c.x))
+    diff = deepep_diff(d, x, idx, w, buf, use_fp8, ue8m0)  # every rank calls combine: they stay in step
+    limit = 1e-3 if use_fp8 else 1e-5
+    if not diff < limit:
+        raise Mismatch(f"{name}: DeepEP calc_diff {diff} >= {limit}")
+    return {"diff": diff}
+
+
+def expert_outputs_ref(res: reference.LowLatencyDispatchResult, xs, r: int, R: int, experts: int) -> np.ndarray:
+    num_local = experts // R
+    y = np.full(res.src_info.shape + (xs[0].shape[1],), np.nan, dtype=np.float32)
+    for e in range(num_local):
+        for s in range(R):
+            begin, count = (int(v) for v in reference.unpack_layout_range(res.layout_range[e, s]))
+            rows = slice(begin, begin + count)
+            y[e, rows] = xs[s][res.src_info[e, rows]].astype(np.float32) * expert_factor(r * num_local + e)
+    return y.astype(BF16)
+
+
+def graph_check(buf, group, rank: int, R: int) -> int:
+    """Dispatch (hook mode) + combine captured once in a torch CUDA graph, replayed with new routings."""
+    m, hidden, experts, topk = buf.num_max_dispatch_tokens_per_rank, buf.hidden, buf.num_experts, 4
+    counts = [m] * R
+    xs, idxs, ws = make_inputs(500, counts, hidden, topk, experts, 0.1)
+    x, idx, w = to_torch(xs[rank]), to_torch(idxs[rank]), to_torch(ws[rank])
+    y = torch.empty(experts // R, R * m, hidden, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+
+    def step():
+        d = buf.low_latency_dispatch(x, idx, m, experts, use_fp8=False, return_recv_hook=True)
+        d.hook()
+        y.copy_(d.x)  # identity experts
+        return d, buf.low_latency_combine(y, idx, w, d.handle)
+
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    sync(buf)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        d, c = step()
+    replays = 0
+    for replay in range(6):
+        xs, idxs, ws = make_inputs(600 + replay, counts, hidden, topk, experts, 0.1)
+        x.copy_(to_torch(xs[rank]))
+        idx.copy_(to_torch(idxs[rank]))
+        w.copy_(to_torch(ws[rank]))
+        group.barrier()
+        graph.replay()
+        sync(buf)
+        want = reference.low_latency_dispatch(xs, idxs, m, experts, use_fp8=False)
+        check_dispatch(f"graph replay {replay}", d, want[rank])
+        want_c = (xs[rank].astype(np.float32) * (ws[rank] * (idxs[rank] >= 0)).sum(1, keepdims=True))
+        got = to_numpy(c.x).astype(np.float32)
+        diff = reference.calc_diff(got, want_c.astype(BF16).astype(np.float32))
+        if not diff < 1e-5:
+            raise Mismatch(f"graph replay {replay}: combine calc_diff {diff}")
+        replays += 1
+    return replays
+
+
+def loops_check(buf, rank: int, R: int, loops: int) -> int:
+    """`loops` dispatch+combine pairs with fresh routings, hook and no hook alternating, both buffer sets."""
+    m, hidden, experts = buf.num_max_dispatch_tokens_per_rank, buf.hidden, buf.num_experts
+    topk = min(4, experts)
+    rng = np.random.default_rng(7)
+    xs, _, _ = make_inputs(8, [m] * R, hidden, topk, experts, 0.0)
+    x = to_torch(xs[rank])
+    ok = 0
+    for i in range(loops):
+        counts = rng.integers(0, m + 1, R).tolist()
+        _, idxs, ws = make_inputs(1000 + i, counts, 8, topk, experts, 0.15)
+        n = counts[rank]
+        idx, w = to_torch(idxs[rank]), to_torch(ws[rank])
+        hook = i % 3 == 1
+        d = buf.low_latency_dispatch(x[:n], idx, m, experts, use_fp8=False, return_recv_hook=hook)
+        if hook:
+            d.hook()
+        c = buf.low_latency_combine(d.x, idx, w, d.handle)
+        want_count = np.zeros(experts, dtype=np.int64)
+        for s in range(R):
+            want_count += np.bincount(idxs[s][idxs[s] >= 0], minlength=experts)
+        got_count = to_numpy(d.recv_count)
+        L = experts // R
+        if not np.array_equal(got_count, want_count[rank * L:(rank + 1) * L]):
+            raise Mismatch(f"loop {i}: recv_count {got_count.tolist()} != {want_count[rank * L:(rank + 1) * L]}")
+        if n:
+            want_c = (xs[rank][:n].astype(np.float32) * (ws[rank] * (idxs[rank] >= 0)).sum(1, keepdims=True))
+            diff = reference.calc_diff(to_numpy(c.x).astype(np.float32), want_c.astype(BF16).astype(np.float32))
+            if not diff < 1e-5:
+                raise Mismatch(f"loop {i}: combine calc_diff {diff}")
+        ok += 1
+    return ok
+
+
+def refusals(buf, group, rank: int, R: int) -> dict[str, str]:
+    """Each Safe rule once: the exception's text (the test asserts on it)."""
+    m, hidden, experts = buf.num_max_dispatch_tokens_per_rank, buf.hidden, buf.num_experts
+    out: dict[str, str] = {}
+
+    def refused(key: str, fn) -> None:
+        try:
+            fn()
+        except (ValueError, TypeError, epjit.EpjitError) as e:
+            out[key] = str(e)
+        else:
+            out[key] = "NOT REFUSED"
+
+    x = torch.randn(m + 1, hidden, device="cuda").to(torch.bfloat16)
+    idx = torch.zeros(m + 1, 2, dtype=torch.int64, device="cuda")
+    refused("too_many_tokens", lambda: buf.low_latency_dispatch(x, idx, m, experts))
+    refused("wrong_experts", lambda: buf.low_latency_dispatch(x[:1], idx[:1], m, experts + R))
+    refused("not_divisible", lambda: epjit.Buffer(group, low_latency_mode=True, num_max_dispatch_tokens_per_rank=8,
+                                                  hidden=256, num_experts=R + 1))
+    refused("differs_across_ranks", lambda: epjit.Buffer(group, low_latency_mode=True,
+                                                         num_max_dispatch_tokens_per_rank=8, hidden=256,
+                                                         num_experts=R * (1 + rank)))
+    refused("wrong_dtype", lambda: buf.low_latency_dispatch(x[:1].float(), idx[:1], m, experts))
+    # A hook run twice; a set reused while its hook is pending (every rank does the same calls, so they stay in step).
+    d1 = buf.low_latency_dispatch(x[:2], idx[:2], m, experts, return_recv_hook=True)
+    d2 = buf.low_latency_dispatch(x[:2], idx[:2], m, experts, return_recv_hook=True)
+    refused("set_reused", lambda: buf.low_latency_dispatch(x[:2], idx[:2], m, experts))
+    refused("combine_before_hook", lambda: buf.low_latency_combine(
+        torch.empty(experts // R, R * m, hidden, dtype=torch.bfloat16, device="cuda"), idx[:2],
+        torch.ones(2, 2, device="cuda"), d1.handle))
+    d1.hook()
+    d2.hook()
+    refused("hook_twice", d1.hook)
+    # Out-of-range ids: skipped by the kernel, reported by the next call on every rank that had them.
+    bad = idx[:2].clone()
+    bad[0, 0] = experts + 5 if rank == 0 else 0
+    buf.low_latency_dispatch(x[:2], bad, m, experts)
+    sync(buf)
+    if rank == 0:
+        refused("invalid_ids", lambda: buf.low_latency_dispatch(x[:2], idx[:2], m, experts))
+        buf.low_latency_dispatch(x[:2], idx[:2], m, experts)  # the refused call launched nothing: stay in step
+    else:
+        buf.low_latency_dispatch(x[:2], idx[:2], m, experts)
+        out["invalid_ids"] = "(rank 0 only)"
+    sync(buf)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--loops", type=int, default=1000)
+    args = parser.parse_args()
+    group = epjit.init()
+    torch.cuda.set_device(group.device)
+    R, rank = group.size, group.rank
+    started = time.perf_counter()
+    configs = [(128, 7168, 256), (64, 4096, 64), (32, 2048, R)]
+    bufs = [epjit.Buffer(group, low_latency_mode=True, num_max_dispatch_tokens_per_rank=m, hidden=h, num_experts=e)
+            for m, h, e in configs]
+    result: dict = {"rank": rank, "cases": 0, "force_puts": os.environ.get("EPJIT_LL_FORCE_PUTS", "0"),
+                    "bytes": [b.num_rdma_bytes for b in bufs]}
+    big, mid, small = bufs
+    cases = [
+        # (buffer, counts, topk, holes, fp8, round, ue8m0, hook, repeats, small)
+        (big, [128] * R, 8, 0.0, True, False, False, False, False, False),
+        (big, [128 - r for r in range(R)], 8, 0.1, True, True, False, True, False, False),
+        (big, [1] + [77] * (R - 1), 8, 0.1, True, True, True, False, False, False),
+        (big, [0] + [128] * (R - 1), 8, 0.1, False, False, False, True, False, False),
+        (mid, [64] * R, 4, 0.2, True, False, False, True, False, False),
+        (mid, [63, 0] + [5] * (R - 2), 4, 0.0, False, False, False, False, False, False),
+        (mid, [64] * R, 1, 0.3, True, True, True, True, False, False),
+        (small, [32] * R, 1, 0.0, True, False, False, False, False, True),
+        (small, [12] + [11] * (R - 1), 2, 0.2, False, False, False, True, True, True),
+        (small, [17] * R, 8 if R >= 8 else R, 0.1, True, False, False, False, False, True),
+    ]
+    if args.quick:
+        cases = cases[:2] + cases[7:8]
+    diffs = []
+    for i, (buf, counts, topk, holes, fp8, rnd, ue8m0, hook, repeats, is_small) in enumerate(cases):
+        r = run_case(buf, rank, R, 40 + i, counts, topk, holes, fp8, rnd, ue8m0, hook, repeats, is_small)
+        diffs.append(r["diff"])
+        result["cases"] += 1
+    result["max_diff"] = max(diffs)
+    result["graph_replays"] = graph_check(mid, group, rank, R)
+    result["loops"] = loops_check(small, rank, R, 20 if args.quick else args.loops)
+    result["refused"] = refusals(small, group, rank, R)
+    for b in bufs:
+        b.close()
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    print("RESULT " + json.dumps(result), flush=True)
+    group.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""GPU tier of low-latency mode: every case against epjit.reference on 2 and 4 ranks, direct NVLink stores and
+NVSHMEM puts, the receive hook, CUDA-graph replay, 1000 alternating calls, the Safe rules and a rank that stops."""
+
+from __future__ import annotations
+
+import pytest
+
+from .gpu import require_gpus, run_ranks
+
+pytestmark = pytest.mark.gpu
+
+
+def _check(results: list[dict], n: int) -> None:
+    assert len(results) == n
+    for r in results:
+        assert r["cases"] >= 3 and r["max_diff"] < 1e-3, r
+        assert r["graph_replays"] == 6, r
+        assert r["loops"] >= 20, r
+        refused = r["refused"]
+        assert "num_max_dispatch_tokens_per_rank=32" in refused["too_many_tokens"], refused
+        assert "this Buffer was made for" in refused["wrong_experts"], refused
+        assert "not divisible" in refused["not_divisible"], refused
+        assert "differ" in refused["differs_across_ranks"], refused
+        assert "x must be bfloat16" in refused["wrong_dtype"], refused
+        assert "receive hook that has not run" in refused["set_reused"], refused
+        assert "call its hook() first" in refused["combine_before_hook"], refused
+        assert "hook already ran" in refused["hook_twice"], refused
+        if r["rank"] == 0:
+            assert "outside [-1, num_experts=" in refused["invalid_ids"], refused
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_low_latency_against_reference(n):
+    require_gpus(n)
+    pytest.importorskip("torch")
+    code, output, results = run_ranks("launch", n, "tests/ranks/low_latency.py",
+                                      env={"EPJIT_TIMEOUT_S": "60"}, timeout=600)
+    assert code == 0, output[-8000:]
+    _check(results, n)
+    print("\n".join(str(r) for r in results))
+
+
+def test_low_latency_through_nvshmem_puts():
+    """The path a cluster without NVLink between nodes takes (NVSHMEM puts + signals), forced on one node."""
+    require_gpus(2)
+    pytest.importorskip("torch")
+    code, output, results = run_ranks("launch", 2, "tests/ranks/low_latency.py", "--quick",
+                                      env={"EPJIT_TIMEOUT_S": "60", "EPJIT_LL_FORCE_PUTS": "1"}, timeout=400)
+    assert code == 0, output[-8000:]
+    _check(results, 2)
+    assert all(r["force_puts"] == "1" for r in results)
+
+
+def test_a_rank_that_stops_sending_times_out_naming_it():
+    require_gpus(2)
+    pytest.importorskip("torch")
+    code, output, _ = run_ranks("launch", 2, "tests/ranks/low_latency_timeout.py", env={"EPJIT_TIMEOUT_S": "3"},
+                                timeout=120)
+    assert code != 0, output[-4000:]
+    assert "EpjitTimeoutError" in output and "rank 0 timed out" in output, output[-4000:]
+    assert "ll_dispatch" in output and "waiting for peer rank 1" in output, output[-4000:]

@@ -1,0 +1,61 @@
+"""Low-latency mode without a GPU: the host mirror of cuda_src/low_latency.cuh and the memory it reserves."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from epjit.jit.toolchain import CUDA_SRC
+from epjit.kernels import low_latency as ll
+
+HEADER = (CUDA_SRC / "low_latency.cuh").read_text()
+KERNELS = (CUDA_SRC / "low_latency.cu").read_text()
+
+
+def _constexpr(text: str, name: str) -> int:
+    m = re.search(rf"constexpr\s+\w+\s+{name}\s*=\s*(\d+)\s*;", text)
+    assert m, name
+    return int(m.group(1))
+
+
+def test_constants_match_the_sources():
+    assert ll.LOW_LATENCY_MAX_TOPK == _constexpr(HEADER, "kLowLatencyMaxTopk")
+    assert ll.LOW_LATENCY_HEADER_BYTES == _constexpr(HEADER, "kLowLatencyHeaderBytes")
+    assert ll.LOW_LATENCY_THREADS == _constexpr(KERNELS, "kLowLatencyThreads")
+    for py, c in [("PHASE_SEND", "kPhaseSend"), ("PHASE_RECV", "kPhaseRecv"), ("FLAG_FP8", "kFlagFp8"),
+                  ("FLAG_ROUND_SCALE", "kFlagRoundScale"), ("FLAG_UE8M0", "kFlagUe8m0"),
+                  ("STATUS_INVALID_IDS", "kLowLatencyInvalidIds"), ("STATUS_SLOT_OVERFLOW", "kLowLatencySlotOverflow"),
+                  ("STATUS_META_MISMATCH", "kLowLatencyMetaMismatch"),
+                  ("STATUS_LAYOUT_TOO_BIG", "kLowLatencyLayoutTooBig")]:
+        assert getattr(ll, py) == _constexpr(KERNELS, c), py
+    fields = re.findall(r"int32_t (\w+)(?:\[(\d+)\])?;", re.search(r"struct LowLatencySync \{(.*?)\};", HEADER,
+                                                                   re.S).group(1))
+    assert sum(4 * int(n or 1) for _, n in fields) == ll.SYNC_BYTES
+
+
+def test_set_bytes_follow_the_header_regions():
+    # The regions the constructor lays out, in order, each rounded to 256 bytes (the mirror's derivation).
+    regions = re.findall(r"off \+= ll_align\((.*?)\);", HEADER)
+    assert len(regions) == 7
+    r, e, m, h = 4, 256, 128, 7168
+    env = {"L": e // r, "R": r, "E": e, "M": m, "msg_bytes": ll.message_bytes(h), "combine_row_bytes": 2 * h,
+           "kLowLatencyMaxTopk": ll.LOW_LATENCY_MAX_TOPK, "kLowLatencyHeaderBytes": ll.LOW_LATENCY_HEADER_BYTES}
+    total = sum((eval(expr, {}, env) + 255) // 256 * 256 for expr in regions)  # noqa: S307 (our own header)
+    assert total == ll.low_latency_set_bytes(r, e, m, h)
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_buffer_is_at_most_deepeps(ranks):
+    # Issue 4's memory rule, at its benchmark size: 128 tokens x 7168 x 256 experts.
+    ours = ll.low_latency_size_hint(128, 7168, ranks, 256)
+    deepep = ll.deepep_low_latency_size_hint(128, 7168, ranks, 256)
+    assert ours <= deepep
+    assert 0.9e9 < ours < 1.1e9  # two sets of [256 experts x 128 slots x 14.3 KB messages] dominate
+
+
+def test_message_stride_fits_both_payloads():
+    for hidden in (128, 2048, 4096, 7168):
+        fp8 = ll.LOW_LATENCY_HEADER_BYTES + hidden + hidden // 128 * 4
+        bf16 = ll.LOW_LATENCY_HEADER_BYTES + 2 * hidden
+        assert ll.message_bytes(hidden) >= max(fp8, bf16) and ll.message_bytes(hidden) % 16 == 0
