@@ -2,7 +2,8 @@
 
 Same run, same inputs, same bytes: for each case the routing's split sizes feed NCCL's ``all_to_all_single`` (what a
 user would write instead of epjit). Timing follows DESIGN.md's protocol: CUDA events around the operation,
-warm-up first, median of ``--repeat`` runs (>= 20), a barrier between runs.
+warm-up first, median of ``--repeat`` runs (>= 20), a barrier between runs (host, then a one-element NCCL
+all_reduce so every GPU starts the timed operation at about the same moment).
 
 Bandwidth columns:
   out GB/s    bytes that leave this GPU (rows to other ranks) / time: what NVLink carries
@@ -51,6 +52,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_together(group: Any) -> None:
+    """A host barrier, then a device one: a one-element NCCL all_reduce on the current stream, so the start event
+    recorded after it fires at about the same moment on every GPU. Without it the host barrier's skew between
+    ranks (tens of microseconds on 4 processes) is timed as part of whatever waits for a peer first."""
+    import torch
+    import torch.distributed as dist
+
+    group.barrier()
+    global _ALIGN
+    if _ALIGN is None:
+        _ALIGN = torch.zeros(1, device="cuda")
+    dist.all_reduce(_ALIGN)
+
+
+_ALIGN: Any = None
+
+
 def _median_us(fn: Any, group: Any, repeat: int, warmup: int = 5) -> float:
     import torch
 
@@ -59,7 +77,7 @@ def _median_us(fn: Any, group: Any, repeat: int, warmup: int = 5) -> float:
     torch.cuda.synchronize()
     times = []
     for _ in range(repeat):
-        group.barrier()  # every rank starts together, as in a real step
+        _start_together(group)  # every rank starts together, as in a real step
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -155,7 +173,7 @@ def _median_halves_us(first: Any, second: Any, group: Any, repeat: int) -> tuple
     torch.cuda.synchronize()
     a, b = [], []
     for _ in range(repeat):
-        group.barrier()
+        _start_together(group)
         e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         e[0].record()
         first()

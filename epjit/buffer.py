@@ -436,6 +436,12 @@ class Buffer:
         if self._closed:
             raise EpjitError(with_rank("this Buffer is closed"))
 
+    def _check_normal(self) -> None:
+        self._check_open()
+        if not self.num_nvl_bytes:
+            raise EpjitError(with_rank("this Buffer has no NVLink buffer (num_nvl_bytes=0): normal-mode calls need "
+                                       "one (Buffer.get_normal_size_hint)"))
+
     def _host_buffer(self, num_experts: int) -> MappedHostArray:
         need = 4 * (2 + 5 * self.num_ranks + num_experts // self.num_ranks)
         if self._host_out is None or self._host_out.num_bytes < need:
@@ -569,7 +575,7 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx: Any, num_experts: int, previous_event: Event | None = None,
                             async_finish: bool = False) -> DispatchLayout:
         """Counts per rank and per expert, and is_token_in_rank, for topk_idx [N, K] int64 (-1 = no expert)."""
-        self._check_open()
+        self._check_normal()
         cupy = _cupy()
         dev = self.group.device
         info = arrays.check(topk_idx, "topk_idx", dtype="int64", ndim=2, device=dev)
@@ -660,7 +666,7 @@ class Buffer:
         ``layout`` (from get_dispatch_layout) is required, or topk_idx plus num_experts (here or on the Buffer).
         With a handle, the routing of that earlier dispatch is replayed with no layout pass.
         """
-        self._check_open()
+        self._check_normal()
         self._check_pending()
         profile = self._profile
         profile.start()
@@ -847,7 +853,7 @@ class Buffer:
                 config: Config | None = None, previous_event: Event | None = None,
                 async_finish: bool = False) -> CombineResult:
         """For each original token, the sum of the rows the ranks send back for it (+ bias): dispatch's adjoint."""
-        self._check_open()
+        self._check_normal()
         self._check_pending()
         profile = self._profile
         profile.start()

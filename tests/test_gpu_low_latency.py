@@ -16,6 +16,7 @@ def _check(results: list[dict], n: int) -> None:
         assert r["cases"] >= 3 and r["max_diff"] < 1e-3, r
         assert r["graph_replays"] == 6, r
         assert r["loops"] >= 20, r
+        assert r["extras"]["stats"] > 0 and "no NVLink buffer" in r["extras"]["normal_refused"], r
         refused = r["refused"]
         assert "num_max_dispatch_tokens_per_rank=32" in refused["too_many_tokens"], refused
         assert "this Buffer was made for" in refused["wrong_experts"], refused

@@ -236,6 +236,37 @@ def loops_check(buf, rank: int, R: int, loops: int) -> int:
     return ok
 
 
+def extras_check(buf, rank: int, R: int) -> dict:
+    """Receive statistics, the zero-copy combine buffer, clean_low_latency_buffer, a normal-mode call refused."""
+    m, hidden, experts = buf.num_max_dispatch_tokens_per_rank, buf.hidden, buf.num_experts
+    topk = min(2, experts)
+    xs, idxs, ws = make_inputs(77, [m] * R, hidden, topk, experts, 0.1)
+    x, idx, w = to_torch(xs[rank]), to_torch(idxs[rank]), to_torch(ws[rank])
+    stats = torch.zeros(experts // R, dtype=torch.int32, device="cuda")
+    for _ in range(2):
+        d = buf.low_latency_dispatch(x, idx, m, experts, use_fp8=False, cumulative_local_expert_recv_stats=stats)
+    sync(buf)
+    if not torch.equal(stats, 2 * d.recv_count):
+        raise Mismatch(f"cumulative stats {stats.tolist()} != 2 x recv_count {d.recv_count.tolist()}")
+    plain = buf.low_latency_combine(d.x, idx, w, d.handle).x.clone()
+    zero_copy = buf.get_next_low_latency_combine_buffer(d.handle)
+    zero_copy.copy_(d.x)
+    c = buf.low_latency_combine(zero_copy, idx, w, d.handle, zero_copy=True)
+    sync(buf)
+    same("zero-copy combine", to_numpy(c.x), to_numpy(plain))
+    buf.clean_low_latency_buffer()
+    d = buf.low_latency_dispatch(x, idx, m, experts, use_fp8=False)
+    c = buf.low_latency_combine(d.x, idx, w, d.handle)
+    sync(buf)
+    same("combine after clean_low_latency_buffer", to_numpy(c.x), to_numpy(plain))
+    try:
+        buf.dispatch(x, topk_idx=idx, num_experts=experts)
+        refused = "NOT REFUSED"
+    except epjit.EpjitError as e:
+        refused = str(e)
+    return {"stats": int(stats.sum()), "normal_refused": refused}
+
+
 def refusals(buf, group, rank: int, R: int) -> dict[str, str]:
     """Each Safe rule once: the exception's text (the test asserts on it)."""
     m, hidden, experts = buf.num_max_dispatch_tokens_per_rank, buf.hidden, buf.num_experts
@@ -322,6 +353,7 @@ def main() -> int:
     result["max_diff"] = max(diffs)
     result["graph_replays"] = graph_check(mid, group, rank, R)
     result["loops"] = loops_check(small, rank, R, 20 if args.quick else args.loops)
+    result["extras"] = extras_check(mid, rank, R)
     result["refused"] = refusals(small, group, rank, R)
     for b in bufs:
         b.close()
