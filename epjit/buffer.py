@@ -324,16 +324,11 @@ class _LowLatencyState:
         self.num_sms = min(int(props["multiProcessorCount"]), env.ll_num_sms or _LL_MAX_SMS)
         self.force_puts = int(env.ll_force_puts)
 
-    @classmethod
-    def create(cls, buffer: Buffer) -> _LowLatencyState:
-        return cls(buffer)
-
     def close(self) -> None:
         self.host_status.close()
 
 
 _LL_MAX_SMS = 64  # blocks of a low-latency kernel: enough warps for every (expert, source) pair of EP <= 8 runs
-_LL_CALLS = ("dispatch", "combine")
 
 
 class Buffer:
@@ -385,7 +380,7 @@ class Buffer:
                 self._main_module = jit.load(IntranodeSpec(self.num_ranks, NUM_THREADS), group.device)
             if self.low_latency_mode:
                 with self._device:
-                    self._ll = _LowLatencyState.create(self)
+                    self._ll = _LowLatencyState(self)
         except BaseException:
             if self._ll is not None:
                 self._ll.close()
