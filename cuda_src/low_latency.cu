@@ -8,10 +8,11 @@
 //                   shared memory, then warp k writes it to expert topk_idx[t][k]: into slot i of (expert, me),
 //                   where i counts the earlier (token, k) of this rank naming that expert, so the slot order is
 //                   the token order and repeated runs are bit-identical. Direct NVLink stores through
-//                   nvshmem_ptr's pointer, or an NVSHMEM warp put where there is none. Each sent message bumps a
-//                   local per-expert counter; a warp per expert counts what this rank sends it, waits until the
-//                   counter says all of it is out, then writes the count as -(n+1) after the data (release store,
-//                   or NVSHMEM signal after quiet), so the count's arrival proves the data landed.
+//                   nvshmem_ptr's pointer, or an NVSHMEM warp put where there is none (two staging buffers: the
+//                   next token is quantised while this one is sent). Each sending warp fences (or quiets) once
+//                   after its last token and bumps a local counter; a warp per expert counts what this rank sends
+//                   it, waits until every sending warp is done, then writes the count as -(n+1) after the data
+//                   (release store, or NVSHMEM signal), so the count's arrival proves the data landed.
 //   dispatch recv   W warps per (local expert, source): wait for the counts of all sources of the expert (the
 //                   prefix over sources is where this source's block starts), copy its messages into
 //                   recv_x [L][R*M][H] and fill recv_count, layout_range and src_info.
@@ -50,6 +51,23 @@ constexpr int kLowLatencySlotOverflow = 2;  // > M top-k slots of one rank name 
 constexpr int kLowLatencyMetaMismatch = 4;  // a message with another hidden size or FP8 setting arrived
 constexpr int kLowLatencyLayoutTooBig = 8;  // the two sets do not fit the heap (host and header disagree): no-op
 
+// EPJIT_PROFILE: thread 0 of each block stamps %globaltimer at fixed points of a call into timeline[block][slot]
+// (a null timeline, the default, costs one branch). The host reports when each point was reached, per block.
+constexpr int kTimelineSlots = 8;
+enum TimelinePoint {
+    kAtStart = 0,      // the block began
+    kAtAcks = 1,       // every rank had read this set's previous call
+    kAtSent = 2,       // this block's tokens (dispatch) / rows (combine) were written
+    kAtCounted = 3,    // dispatch: thread 0's expert count signalled; combine: every expert's flag arrived
+    kAtCounts = 4,     // dispatch: the counts of thread 0's first (expert, source) pair arrived
+    kAtReceived = 5,   // dispatch: this block's received rows copied; combine: its tokens reduced
+    kAtEnd = 6,        // every warp of the block finished
+};
+
+__device__ __forceinline__ void timeline_mark(uint64_t* timeline, TimelinePoint point) {
+    if (timeline != nullptr && threadIdx.x == 0) timeline[blockIdx.x * kTimelineSlots + point] = ptx::globaltimer_ns();
+}
+
 // What every message carries so a receiver can tell a peer called with other sizes (only the wire format counts).
 __device__ __forceinline__ int message_meta(int hidden, int flags) { return (hidden << 1) | (flags & kFlagFp8); }
 
@@ -73,21 +91,24 @@ __device__ __forceinline__ int warps_per_pair(int num_pairs, bool barrier_friend
 // call's messages on the set have been read (the release orders every block's reads before it).
 __device__ __forceinline__ void finish_call(const PeersTable* peers, const LowLatencyLayout& lay,
                                             LowLatencySync* sync, int set, bool receive_half, int epoch,
-                                            int force_puts, int* host_status) {
+                                            int force_puts, int* host_status, uint64_t* timeline) {
     __syncthreads();
+    timeline_mark(timeline, kAtEnd);
     if (threadIdx.x != 0) return;
     ptx::fence_acq_rel_gpu();
     if (atomicAdd(&sync->done[set], 1) != static_cast<int>(gridDim.x) - 1) return;
     ptx::fence_acq_rel_gpu();
     sync->done[set] = 0;
+    sync->sent_warps = 0;  // every count-sender of this call has seen it complete
     if (receive_half) {
         sync->epoch[set] = epoch;
         uint64_t* word = lay.acks + peers->rank;
         const uint64_t ack = epoch_signal(epoch, 0u);
+        ptx::fence_acq_rel_sys();  // one fence, then relaxed stores: a release to every rank at the price of one
         for (int pe = 0; pe < peers->num_ranks; ++pe) {
             uint64_t* remote = force_puts ? nullptr : on_peer(peers, word, pe);
             if (remote != nullptr)
-                ptx::st_release_sys_u64(remote, ack);
+                ptx::st_relaxed_sys_u64(remote, ack);
             else
                 nvshmemx_signal_op(word, ack, NVSHMEM_SIGNAL_SET, pe);
         }
@@ -128,12 +149,12 @@ __device__ __forceinline__ bool needs_puts(const PeersTable* peers, int force_pu
 
 // ---------------------------------------------------------------------------------------------------- dispatch
 
-// Warp `k` of the block sends token t (staged in shared memory) to its k-th expert.
+// Warp `k` of the block sends token t (staged in shared memory) to its k-th expert. Nothing waits here: the
+// warp's stores (or puts) are made visible once, after its last token (see the dispatch kernel).
 __device__ __forceinline__ void send_to_expert(const PeersTable* peers, const LowLatencyLayout& lay,
                                                const int64_t* topk_idx, const int4* payload, int payload_int4,
                                                int t, int k, int num_topk, int num_experts, int max_tokens,
-                                               int meta, int force_puts, int* finish_counters,
-                                               LowLatencySync* sync, int lane) {
+                                               int meta, int force_puts, LowLatencySync* sync, int lane) {
     const int64_t j = static_cast<int64_t>(t) * num_topk + k;
     const int64_t expert = __ldg(topk_idx + j);
     if (expert < 0 || expert >= num_experts) return;  // -1: no expert; others are reported by block 0
@@ -158,18 +179,15 @@ __device__ __forceinline__ void send_to_expert(const PeersTable* peers, const Lo
         __syncwarp();
         nvshmemx_putmem_nbi_warp(mine, staged_header, kLowLatencyHeaderBytes, dst);
         nvshmemx_putmem_nbi_warp(mine + 1, lay.staging + t * lay.msg_bytes, payload_int4 * 16, dst);
-        nvshmem_quiet();  // delivered before the counter says so (the count signal follows the counter)
     }
-    __syncwarp();
-    if (lane == 0) ptx::red_add_release_gpu_s32(finish_counters + expert, 1);
 }
 
 __global__ void __launch_bounds__(kLowLatencyThreads, 1)
 ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int num_tokens, int num_topk,
             int hidden, int num_experts, int max_tokens, int set, int phases, int flags, int force_puts,
-            int* finish_counters, LowLatencySync* sync, int* host_status, int4* recv_x, void* recv_scales,
+            LowLatencySync* sync, int* host_status, int4* recv_x, void* recv_scales,
             int* recv_src_info, int* recv_topk_slot, int64_t* layout_range, int* recv_count,
-            int* cumulative_stats) {
+            int* cumulative_stats, uint64_t* timeline) {
     const int me = peers->rank, num_ranks = peers->num_ranks, num_local = num_experts / num_ranks;
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
     const int epoch = ptx::ld_volatile_s32(&sync->epoch[set]) + 1;
@@ -179,17 +197,23 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
     const int num_scales = hidden / kFp8BlockChannels;
     const int x_int4 = hidden / 8;  // a bf16 row
     const int payload_int4 = fp8 ? (hidden + num_scales * 4 + 15) / 16 : x_int4;
-    extern __shared__ int4 staged[];  // one token's payload
+    extern __shared__ int4 staged[];  // two tokens' payloads (bf16 size each): one staged while one is sent
     if (!layout_fits(peers, lay, sync)) phases = 0;
+    timeline_mark(timeline, kAtStart);
 
     if (phases & kPhaseSend) {
         wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)");
+        timeline_mark(timeline, kAtAcks);
         const bool puts = needs_puts(peers, force_puts);
-        for (int t = static_cast<int>(blockIdx.x); t < num_tokens; t += static_cast<int>(gridDim.x)) {
+        // Double-buffered: while warps 0..K-1 send token i from one buffer, the others stage token i+1 in the
+        // other, so one __syncthreads a token suffices (it also tells the senders the next token is staged).
+        int i_token = 0;
+        for (int t = static_cast<int>(blockIdx.x); t < num_tokens; t += static_cast<int>(gridDim.x), ++i_token) {
             const int4* row = x + static_cast<int64_t>(t) * x_int4;
+            int4* payload = staged + (i_token & 1) * x_int4;
             if (fp8) {
-                auto* bytes = reinterpret_cast<uint2*>(staged);
-                auto* scales = reinterpret_cast<float*>(reinterpret_cast<char*>(staged) + hidden);
+                auto* bytes = reinterpret_cast<uint2*>(payload);
+                auto* scales = reinterpret_cast<float*>(reinterpret_cast<char*>(payload) + hidden);
                 // Whole warps walk the row so the 16 lanes of a 128-channel block reduce together.
                 for (int base = warp * 32; base < x_int4; base += kLowLatencyThreads) {
                     const int i = base + lane;
@@ -208,21 +232,29 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
                 }
             } else {
                 for (int i = static_cast<int>(threadIdx.x); i < x_int4; i += kLowLatencyThreads)
-                    staged[i] = ptx::ld_global_nc_L1_no_allocate_v4(row + i);
+                    payload[i] = ptx::ld_global_nc_L1_no_allocate_v4(row + i);
             }
             __syncthreads();
             if (puts) {  // NVSHMEM puts read global memory: the block copies the payload to the staging row
                 int4* staging = reinterpret_cast<int4*>(lay.staging + t * lay.msg_bytes);
                 for (int i = static_cast<int>(threadIdx.x); i < payload_int4; i += kLowLatencyThreads)
-                    staging[i] = staged[i];
+                    staging[i] = payload[i];
                 ptx::fence_acq_rel_gpu();
                 __syncthreads();
             }
             if (warp < num_topk)
-                send_to_expert(peers, lay, topk_idx, staged, payload_int4, t, warp, num_topk, num_experts,
-                               max_tokens, meta, force_puts, finish_counters, sync, lane);
-            __syncthreads();  // the staged payload is rewritten by the next token
+                send_to_expert(peers, lay, topk_idx, payload, payload_int4, t, warp, num_topk, num_experts,
+                               max_tokens, meta, force_puts, sync, lane);
         }
+        // Each sending warp makes its stores (or puts) visible once, then counts itself; a count goes out only
+        // when every sending warp of every block has (the counts then prove every message landed).
+        if (warp < num_topk) {
+            if (puts) nvshmem_quiet();
+            ptx::fence_acq_rel_sys();
+            __syncwarp();
+            if (lane == 0) ptx::red_add_release_gpu_s32(&sync->sent_warps, 1);
+        }
+        timeline_mark(timeline, kAtSent);
 
         // The count of each expert, after its data: a warp per expert, spread over the blocks.
         const int num_slots = num_tokens * num_topk;
@@ -232,14 +264,13 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
             for (int j = lane; j < num_slots; j += 32) n += __ldg(topk_idx + j) == expert;
             n = min(warp_sum(n), max_tokens);
             if (lane == 0) {
-                int* counter = finish_counters + expert;
-                timeout_while(peers, WaitSite{"ll_dispatch: this rank's sends to expert (channel) issued", -1,
-                                              expert, n},
+                const int senders = static_cast<int>(gridDim.x) * num_topk;
+                timeout_while(peers, WaitSite{"ll_dispatch: this rank's sending warps done (channel: expert)", -1,
+                                              expert, senders},
                               [&](int64_t& seen) {
-                                  seen = ptx::ld_acquire_gpu_s32(counter);
-                                  return seen != n;
+                                  seen = ptx::ld_acquire_gpu_s32(&sync->sent_warps);
+                                  return seen != senders;
                               });
-                *counter = 0;  // every send of this call is counted; the next call's come after this kernel
                 const int dst = expert / num_local;
                 uint64_t* word = lay.counts + static_cast<int64_t>(expert % num_local) * num_ranks + me;
                 const uint64_t signal = epoch_signal(epoch, static_cast<uint32_t>(-(n + 1)));
@@ -250,6 +281,7 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
                     nvshmemx_signal_op(word, signal, NVSHMEM_SIGNAL_SET, dst);
             }
         }
+        timeline_mark(timeline, kAtCounted);
         if (blockIdx.x == 0) {
             bool invalid = false;
             for (int j = static_cast<int>(threadIdx.x); j < num_slots; j += kLowLatencyThreads) {
@@ -290,6 +322,7 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
                 const int from = __shfl_sync(0xffffffffu, count, src & 31);
                 if (src >= base && src < base + 32) n = from;
             }
+            if (pair == global_warp / w) timeline_mark(timeline, kAtCounts);
             if (sub == 0 && lane == 0) {
                 layout_range[pair] = (static_cast<int64_t>(begin) << 32) | static_cast<uint32_t>(n);
                 if (src == 0) {
@@ -324,8 +357,9 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
                 }
             }
         }
+        timeline_mark(timeline, kAtReceived);
     }
-    finish_call(peers, lay, sync, set, (phases & kPhaseRecv) != 0, epoch, force_puts, host_status);
+    finish_call(peers, lay, sync, set, (phases & kPhaseRecv) != 0, epoch, force_puts, host_status, timeline);
 }
 
 // ---------------------------------------------------------------------------------------------------- combine
@@ -334,16 +368,18 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
 ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const int* topk_slot,
            const int64_t* layout_range, const int64_t* topk_idx, const float* topk_weights, int4* out,
            int num_tokens, int num_topk, int hidden, int num_experts, int max_tokens, int set, int phases,
-           int force_puts, LowLatencySync* sync, int* host_status) {
+           int force_puts, LowLatencySync* sync, int* host_status, uint64_t* timeline) {
     const int me = peers->rank, num_ranks = peers->num_ranks, num_local = num_experts / num_ranks;
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
     const int epoch = ptx::ld_volatile_s32(&sync->epoch[set]) + 1;
     const LowLatencyLayout lay(peers->sym_base, set, num_ranks, num_experts, max_tokens, hidden);
     const int row_int4 = hidden / 8;
     if (!layout_fits(peers, lay, sync)) phases = 0;
+    timeline_mark(timeline, kAtStart);
 
     if (phases & kPhaseSend) {
         wait_for_acks(peers, lay, epoch, "ll_combine: peer read this buffer set's previous call (ack)");
+        timeline_mark(timeline, kAtAcks);
         const int num_pairs = num_local * num_ranks;
         const int w = warps_per_pair(num_pairs, true);
         const int global_warp = static_cast<int>(blockIdx.x) * kLowLatencyWarps + warp;
@@ -380,6 +416,7 @@ ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const in
                 }
             }
         }
+        timeline_mark(timeline, kAtSent);
     }
 
     if (phases & kPhaseRecv) {
@@ -393,6 +430,7 @@ ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const in
                           });
         }
         __syncthreads();
+        timeline_mark(timeline, kAtCounted);
         __shared__ int slot_valid[kLowLatencyMaxTopk];
         __shared__ float slot_weight[kLowLatencyMaxTopk];
         for (int t = static_cast<int>(blockIdx.x); t < num_tokens; t += static_cast<int>(gridDim.x)) {
@@ -417,8 +455,9 @@ ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const in
             }
             __syncthreads();
         }
+        timeline_mark(timeline, kAtReceived);
     }
-    finish_call(peers, lay, sync, set, (phases & kPhaseRecv) != 0, epoch, force_puts, host_status);
+    finish_call(peers, lay, sync, set, (phases & kPhaseRecv) != 0, epoch, force_puts, host_status, timeline);
 }
 
 }  // namespace epjit

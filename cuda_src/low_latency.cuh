@@ -93,12 +93,14 @@ __device__ __forceinline__ T* on_peer(const PeersTable* peers, T* mine, int pe) 
 }
 
 // Per-Buffer device words (plain device memory, zeroed at creation): the epoch of each set, the blocks of the
-// running call that have finished (the last one advances the epoch) and the status bits the host reads.
+// running call that have finished (the last one advances the epoch), the status bits the host reads
+// and the dispatch's finished sending warps.
 struct LowLatencySync {
     int32_t epoch[2];
     int32_t done[2];
     int32_t status;
-    int32_t pad[3];
+    int32_t sent_warps;  // dispatch: sending warps of the running call that have made their messages visible
+    int32_t pad[2];
 };
 
 }  // namespace epjit

@@ -56,6 +56,9 @@ __device__ __forceinline__ void st_release_gpu_s32(int* p, int v) {
 __device__ __forceinline__ void st_relaxed_sys_s32(int* p, int v) {
     asm volatile("st.relaxed.sys.global.s32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
 }
+__device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
+}
 
 /// Streaming 16-byte loads and stores that leave L1 alone: bulk payload is touched once, and keeping it out of
 /// L1 leaves the cache to the compute kernels running beside communication (DeepEP's measured choice).

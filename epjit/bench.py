@@ -163,6 +163,16 @@ def _graph(fn: Any, warmup: Any = None) -> Any:
     return graph
 
 
+def _graph_floor_us(group: Any, repeat: int) -> float:
+    """What the timing protocol itself costs: the median of a CUDA graph holding one one-element kernel, timed as
+    the low-latency ops are (slowest rank)."""
+    import torch
+
+    z = torch.zeros(1, device="cuda")
+    g = _graph(lambda: z.add_(1))
+    return max(group.allgather_object(_median_us(g.replay, group, repeat)))
+
+
 def _median_halves_us(first: Any, second: Any, group: Any, repeat: int) -> tuple[float, float]:
     """Medians of two back-to-back steps (a send half, then its receive half), timed separately."""
     import torch
@@ -200,6 +210,9 @@ def _bench_low_latency(group: Any, dist: Any, args: argparse.Namespace, modes: l
         print(f"low-latency buffer: {buf.num_rdma_bytes / 2**20:.1f} MiB per rank for {max_tokens} tokens x {hidden} "
               f"x {experts} experts (DeepEP's formula: {deepep / 2**20:.1f} MiB)", flush=True)
     rows: list[Row] = []
+    floor = _graph_floor_us(group, args.repeat)
+    if rank == 0:
+        print(f"protocol floor: a CUDA graph of one tiny kernel times {floor:.1f} us here", flush=True)
     try:
         for tokens in args.ll_tokens:
             for row in _bench_low_latency_case(buf, group, dist, args, modes, tokens):
@@ -219,6 +232,30 @@ def _nccl_bytes_us(dist: Any, group: Any, send_rows: list[int], recv_rows: list[
     inp = torch.empty(sum(send_rows), row_bytes, dtype=torch.uint8, device="cuda")
     out = torch.empty(sum(recv_rows), row_bytes, dtype=torch.uint8, device="cuda")
     return _median_us(lambda: dist.all_to_all_single(out, inp, recv_rows, send_rows), group, repeat)
+
+
+def _profile_low_latency(buf: Any, group: Any, x: Any, idx: Any, w: Any, y: Any, handle: Any, tokens: int) -> None:
+    """Rank 0 prints when the blocks of each low-latency kernel reached each point (EPJIT_PROFILE's timeline),
+    for one eager call of each op, whole and split by the hook (the receive half launched 1 ms after the send)."""
+    import torch
+
+    m, e = buf.num_max_dispatch_tokens_per_rank, buf.num_experts
+    calls = {
+        "dispatch": lambda hook: buf.low_latency_dispatch(x, idx, m, e, return_recv_hook=hook),
+        "combine": lambda hook: buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook),
+    }
+    for name, call in calls.items():
+        for hook in (False, True):
+            _start_together(group)
+            result = call(hook)
+            if hook:
+                torch.cuda.synchronize()
+                time.sleep(1e-3)
+                result.hook()
+            torch.cuda.synchronize()
+            prof = {k: v for k, v in buf.profile().items() if k.startswith("ll_")}
+            if group.rank == 0:
+                print(f"  profile ll-{name} {tokens} tokens{' (hook)' if hook else ''}: {prof}", flush=True)
 
 
 def _bench_low_latency_case(buf: Any, group: Any, dist: Any, args: argparse.Namespace, modes: list[str],
@@ -256,6 +293,8 @@ def _bench_low_latency_case(buf: Any, group: Any, dist: Any, args: argparse.Name
             recv = _graph(lambda: held.pop().hook(), warmup=lambda: None)
             timed[f"{name}-send"], timed[f"{name}-recv"] = _median_halves_us(send.replay, recv.replay, group,
                                                                               args.repeat)
+    if args.profile:
+        _profile_low_latency(buf, group, x, idx, w, y, handle, tokens)
     nccl: dict[str, float | None] = {"dispatch": None, "combine": None}
     if not args.no_nccl:
         nccl["dispatch"] = _nccl_bytes_us(dist, group, pairs, recv_pairs, msg, args.repeat)

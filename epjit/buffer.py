@@ -43,6 +43,8 @@ from .kernels.low_latency import (
     STATUS_META_MISMATCH,
     STATUS_SLOT_OVERFLOW,
     SYNC_BYTES,
+    TIMELINE_POINTS,
+    TIMELINE_SLOTS,
     LowLatencySpec,
     low_latency_size_hint,
 )
@@ -314,11 +316,11 @@ class _LowLatencyState:
         cupy = _cupy()
         self.module = jit.load(LowLatencySpec(), buffer.group.device)
         self.sync = cupy.zeros(SYNC_BYTES // 4, dtype=cupy.int32)
-        self.finish_counters = cupy.zeros(buffer.num_experts, dtype=cupy.int32)
         self.host_status = MappedHostArray(64)
         self.next_set = 0
         self.pending: list[str | None] = [None, None]  # per set: which call's hook has not run yet
         self.combine_buffers: list[Any] = [None, None]  # get_next_low_latency_combine_buffer, per set
+        self.timelines: list[tuple[str, Any]] = []  # EPJIT_PROFILE: per-block stamps of the last call's kernels
         props = cupy.cuda.runtime.getDeviceProperties(buffer.group.device)
         env = settings()
         self.num_sms = min(int(props["multiProcessorCount"]), env.ll_num_sms or _LL_MAX_SMS)
@@ -328,6 +330,7 @@ class _LowLatencyState:
         self.host_status.close()
 
 
+_PHASE_SUFFIX = {PHASE_SEND: ".send", PHASE_RECV: ".recv", PHASE_SEND | PHASE_RECV: ""}
 _LL_MAX_SMS = 64  # blocks of a low-latency kernel: enough warps for every (expert, source) pair of EP <= 8 runs
 
 
@@ -393,8 +396,30 @@ class Buffer:
         self._torch_comm: Any = None  # the communication stream as a torch stream (made on first use)
 
     def profile(self) -> dict[str, float]:
-        """Where the last dispatch/combine spent its time (needs EPJIT_PROFILE=1; waits for that call's work)."""
-        return self._profile.report()
+        """Where the last dispatch/combine spent its time (needs EPJIT_PROFILE=1; waits for that call's work).
+
+        Low-latency calls report, for each kernel they launched, when its blocks reached each point of
+        cuda_src/low_latency.cu's TimelinePoint: ``<kernel>:<point>:med`` / ``:max`` in microseconds from the first
+        block's start (a block that never reached a point is left out)."""
+        out = self._profile.report()
+        if self._ll is not None:
+            for name, timeline in self._ll.timelines:
+                stamps = timeline.get().reshape(-1, TIMELINE_SLOTS).astype(np.int64)
+                t0 = stamps[:, 0].min()
+                for i, point in enumerate(TIMELINE_POINTS):
+                    reached = stamps[:, i][stamps[:, i] > 0]
+                    if len(reached):
+                        out[f"{name}:{point}:med"] = round(float(np.median(reached) - t0) / 1e3, 1)
+                        out[f"{name}:{point}:max"] = round(float(reached.max() - t0) / 1e3, 1)
+        return out
+
+    def _ll_timeline(self, ll: _LowLatencyState, name: str) -> Any:
+        """A zeroed stamp array for one low-latency kernel when profiling, else None (no stamps)."""
+        if not self._profile.enabled:
+            return None
+        timeline = _cupy().zeros(ll.num_sms * TIMELINE_SLOTS, dtype=np.uint64)
+        ll.timelines.append((name, timeline))
+        return timeline
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
@@ -1050,6 +1075,7 @@ class Buffer:
             stats = arrays.to_cupy(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats")
         x_arr, idx_arr = arrays.to_cupy(x, "x"), arrays.to_cupy(topk_idx, "topk_idx")
         s = self._low_latency_set(ll, "dispatch")
+        ll.timelines = []
         cupy = _cupy()
         rows = r * m
         num_scales = hidden // 128
@@ -1065,14 +1091,15 @@ class Buffer:
             topk_slot = self._empty((num_local, rows), cupy.int32)
             layout_range = self._empty((num_local, r), cupy.int64)
             recv_count = self._empty((num_local,), cupy.int32)
-            shared = 16 * (hidden // 8)
+            shared = 2 * 16 * (hidden // 8)  # two staged tokens (bf16 size)
 
             def launch(phases: int) -> None:
                 ll.module.launch(
                     "ll_dispatch", ll.num_sms, LOW_LATENCY_THREADS, self.mem.table_ptr, x_arr, idx_arr, num_tokens,
-                    num_topk, hidden, e, m, s, phases, flags, ll.force_puts, ll.finish_counters, ll.sync,
+                    num_topk, hidden, e, m, s, phases, flags, ll.force_puts, ll.sync,
                     ll.host_status.device_ptr, recv_x, recv_scales, src_info, topk_slot, layout_range, recv_count,
-                    stats, shared_mem=shared, stream=self.comm_stream)
+                    stats, self._ll_timeline(ll, "ll_dispatch" + _PHASE_SUFFIX[phases]), shared_mem=shared,
+                    stream=self.comm_stream)
 
             launch(PHASE_SEND if return_recv_hook else PHASE_SEND | PHASE_RECV)
         event = self._finish(caller, async_finish)
@@ -1150,6 +1177,7 @@ class Buffer:
             arrays.check(out, "out", dtype="bfloat16", shape=(("N", num_tokens), ("H", hidden)), device=dev)
             out_arr = arrays.to_cupy(out, "out")
         s = self._low_latency_set(ll, "combine")
+        ll.timelines = []
         caller = self._begin(None)
         with self.comm_stream:
             if out_arr is None:
@@ -1160,7 +1188,7 @@ class Buffer:
                     "ll_combine", ll.num_sms, LOW_LATENCY_THREADS, self.mem.table_ptr, y_arr, handle.src_info_cupy,
                     handle.topk_slot, handle.layout_range_cupy, idx_arr, w_arr, out_arr, num_tokens,
                     handle.num_topk, hidden, e, m, s, phases, ll.force_puts, ll.sync, ll.host_status.device_ptr,
-                    stream=self.comm_stream)
+                    self._ll_timeline(ll, "ll_combine" + _PHASE_SUFFIX[phases]), stream=self.comm_stream)
 
             launch(PHASE_SEND if return_recv_hook else PHASE_SEND | PHASE_RECV)
         event = self._finish(caller, async_finish)
@@ -1180,7 +1208,6 @@ class Buffer:
         cupy = _cupy()
         with self._device:
             ll.sync.fill(0)
-            ll.finish_counters.fill(0)
             heap = self.mem.sym
             assert heap is not None
             cupy.cuda.runtime.memset(heap.base, 0, low_latency_size_hint(

@@ -13,6 +13,8 @@ LOW_LATENCY_MAX_TOPK = 16  # kLowLatencyMaxTopk: combine slots per token
 LOW_LATENCY_HEADER_BYTES = 16
 SYNC_BYTES = 32  # sizeof(LowLatencySync)
 PHASE_SEND, PHASE_RECV = 1, 2
+TIMELINE_SLOTS = 8  # kTimelineSlots
+TIMELINE_POINTS = ("start", "acks", "sent", "counted", "counts", "received", "end")  # enum TimelinePoint
 FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4
 STATUS_INVALID_IDS, STATUS_SLOT_OVERFLOW, STATUS_META_MISMATCH, STATUS_LAYOUT_TOO_BIG = 1, 2, 4, 8
 
@@ -26,16 +28,16 @@ class LowLatencySpec(KernelSpec):
         "ll_dispatch": (
             PEERS, ("x", "const int4*"), ("topk_idx", "const int64_t*"), ("num_tokens", "int"), ("num_topk", "int"),
             ("hidden", "int"), ("num_experts", "int"), ("max_tokens", "int"), ("set", "int"), ("phases", "int"),
-            ("flags", "int"), ("force_puts", "int"), ("finish_counters", "int*"), ("sync", "LowLatencySync*"),
+            ("flags", "int"), ("force_puts", "int"), ("sync", "LowLatencySync*"),
             ("host_status", "int*"), ("recv_x", "int4*"), ("recv_scales", "void*"), ("recv_src_info", "int*"),
             ("recv_topk_slot", "int*"), ("layout_range", "int64_t*"), ("recv_count", "int*"),
-            ("cumulative_stats", "int*")),
+            ("cumulative_stats", "int*"), ("timeline", "uint64_t*")),
         "ll_combine": (
             PEERS, ("y", "const int4*"), ("src_info", "const int*"), ("topk_slot", "const int*"),
             ("layout_range", "const int64_t*"), ("topk_idx", "const int64_t*"), ("topk_weights", "const float*"),
             ("out", "int4*"), ("num_tokens", "int"), ("num_topk", "int"), ("hidden", "int"), ("num_experts", "int"),
             ("max_tokens", "int"), ("set", "int"), ("phases", "int"), ("force_puts", "int"),
-            ("sync", "LowLatencySync*"), ("host_status", "int*")),
+            ("sync", "LowLatencySync*"), ("host_status", "int*"), ("timeline", "uint64_t*")),
     }
     USES_NVSHMEM = True
 
