@@ -1197,12 +1197,19 @@ class Buffer:
         result_x = out if out is not None else arrays.from_cupy(out_arr, y_info.framework, name="combined_x")
         return LowLatencyCombineResult(result_x, event, hook)
 
-    def clean_low_latency_buffer(self) -> None:
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int | None = None, hidden: int | None = None,
+                                 num_experts: int | None = None) -> None:
         """Collective: forget every low-latency call (epochs, signals, pending hooks), e.g. after an error that
-        left ranks out of step. Every rank must call it, with no low-latency work in flight."""
+        left ranks out of step. Every rank must call it, with no low-latency work in flight. The sizes, if given
+        (DeepEP's signature), must be the Buffer's."""
         ll = self._ll
         if ll is None:
             raise EpjitError(with_rank("this Buffer was not made with low_latency_mode=True"))
+        given = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        mine = (self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts)
+        if any(g is not None and g != m for g, m in zip(given, mine, strict=True)):
+            raise ArgumentError(with_rank(f"clean_low_latency_buffer{given}: this Buffer was made for {mine} "
+                                          "(num_max_dispatch_tokens_per_rank, hidden, num_experts)"))
         self._sync()
         self.group.barrier()
         cupy = _cupy()

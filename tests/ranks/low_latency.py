@@ -254,7 +254,7 @@ def extras_check(buf, rank: int, R: int) -> dict:
     c = buf.low_latency_combine(zero_copy, idx, w, d.handle, zero_copy=True)
     sync(buf)
     same("zero-copy combine", to_numpy(c.x), to_numpy(plain))
-    buf.clean_low_latency_buffer()
+    buf.clean_low_latency_buffer(m, hidden, experts)  # DeepEP's signature; the sizes must be the Buffer's
     d = buf.low_latency_dispatch(x, idx, m, experts, use_fp8=False)
     c = buf.low_latency_combine(d.x, idx, w, d.handle)
     sync(buf)
