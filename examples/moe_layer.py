@@ -132,6 +132,20 @@ def run_reference_decode(args: argparse.Namespace, rng: np.random.Generator, rou
     return ok
 
 
+def gpu_relative_error(out: Any, x: Any, idx: Any, weights: Any, experts: Any) -> float:
+    """Max error of `out` relative to the same layer on this one GPU (torch tensors; 0 without tokens)."""
+    import torch
+
+    if x.shape[0] == 0:
+        return 0.0
+    expected = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for k in range(idx.shape[1]):
+        for e in idx[:, k].unique().tolist():
+            rows = (idx[:, k] == e).nonzero(as_tuple=True)[0]
+            expected[rows] += weights[rows, k, None] * (x[rows].float() @ experts[e].float())
+    return ((out.float() - expected).abs().max() / (expected.abs().max() + 1e-6)).item()
+
+
 def run_gpu(args: argparse.Namespace) -> int:
     """One rank per GPU: the same layer (same seed) on every rank, each rank's own tokens, epjit in between."""
     import torch
@@ -177,12 +191,7 @@ def run_gpu(args: argparse.Namespace) -> int:
             out = buf.combine(y.to(torch.bfloat16), d.handle).x
             torch.cuda.synchronize()
             t3 = time.perf_counter()
-        expected = torch.zeros(n, args.hidden, dtype=torch.float32, device="cuda")
-        for k in range(args.topk):
-            for e in idx[:, k].unique().tolist():
-                rows = (idx[:, k] == e).nonzero(as_tuple=True)[0]
-                expected[rows] += weights[rows, k, None] * (x[rows].float() @ experts[e].float())
-        err = ((out.float() - expected).abs().max() / (expected.abs().max() + 1e-6)).item() if n else 0.0
+        err = gpu_relative_error(out, x, idx, weights, experts)
         errors = group.allgather_object(err)
         counts = group.allgather_object((n, d.x.shape[0]))
     finally:
@@ -227,12 +236,7 @@ def run_gpu_decode(args: argparse.Namespace, group: Any, router: Any, experts: A
         for e, count in enumerate(d.recv_count.tolist()):  # only the received rows; the rest is garbage
             y[e, :count] = (d.x[e, :count].float() @ experts[rank * per_rank + e].float()).to(torch.bfloat16)
         out = buf.low_latency_combine(y, idx, weights, d.handle).x
-        expected = torch.zeros(n, args.hidden, dtype=torch.float32, device="cuda")
-        for k in range(args.topk):
-            for e in idx[:, k].unique().tolist():
-                rows = (idx[:, k] == e).nonzero(as_tuple=True)[0]
-                expected[rows] += weights[rows, k, None] * (x[rows].float() @ experts[e].float())
-        err = ((out.float() - expected).abs().max() / (expected.abs().max() + 1e-6)).item()
+        err = gpu_relative_error(out, x, idx, weights, experts)
     return max(group.allgather_object(err))
 
 

@@ -35,4 +35,4 @@ def test_tour_notebook_runs(tmp_path):
     text = _text(nb)
     assert "ERROR" not in text, text[-4000:]
     assert "from (source rank, token): [(0, 1), (0, 4), (2, 2)]" in text, text[-4000:]
-    assert "rank 1 of 2 (mpi)" in text or "rank 1 of" in text, text[-4000:]
+    assert "rank 1 of " in text and "(mpi)" in text, text[-4000:]  # every engine joined one MPI group

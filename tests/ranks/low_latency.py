@@ -55,17 +55,17 @@ def expert_factor(expert: np.ndarray | int) -> np.ndarray:
     return np.ldexp(np.float32(1), (np.asarray(expert) % 4) - 2).astype(np.float32)
 
 
-def expert_outputs(d, xs: list[np.ndarray], rank: int, R: int, num_experts: int) -> np.ndarray:
-    """y for combine in the received layout: row (e, i) from source s, token t is xs[s][t] * factor(expert);
-    rows past each expert's count are NaN, so a combine that reads them shows it."""
-    src_info = to_numpy(d.handle.src_info)
-    layout_range = to_numpy(d.handle.layout_range)
-    num_local = num_experts // R
+def expert_outputs(src_info: np.ndarray, layout_range: np.ndarray, xs: list[np.ndarray], rank: int,
+                   num_experts: int) -> np.ndarray:
+    """y for combine in a received layout (the GPU's or the reference's): row (e, i) from source s, token t is
+    xs[s][t] * factor(expert); rows past each expert's count are NaN, so a combine that reads them shows it."""
+    num_ranks = layout_range.shape[1]
+    num_local = num_experts // num_ranks
+    begins, counts = reference.unpack_layout_range(layout_range)
     y = np.full(src_info.shape + (xs[0].shape[1],), np.nan, dtype=np.float32)
     for e in range(num_local):
-        for s in range(R):
-            begin, count = int(layout_range[e, s] >> 32), int(layout_range[e, s] & 0xFFFFFFFF)
-            rows = slice(begin, begin + count)
+        for s in range(num_ranks):
+            rows = slice(int(begins[e, s]), int(begins[e, s] + counts[e, s]))
             y[e, rows] = xs[s][src_info[e, rows]].astype(np.float32) * expert_factor(rank * num_local + e)
     return y.astype(BF16)
 
@@ -124,14 +124,15 @@ def run_case(buf, rank: int, R: int, seed: int, counts: list[int], topk: int, ho
                                           use_ue8m0=ue8m0)
     check_dispatch(name, d, want[rank])
 
-    y = to_torch(expert_outputs(d, xs, rank, R, experts))
+    y = to_torch(expert_outputs(to_numpy(d.handle.src_info), to_numpy(d.handle.layout_range), xs, rank,
+                                experts))
     c = buf.low_latency_combine(y, idx, w, d.handle, return_recv_hook=hook)
     if hook:
         c.hook()
     sync(buf)
     same(f"{name} combined", to_numpy(c.x), expected_combine(xs[rank], idxs[rank], ws[rank]))
     if small:  # the reference's own combine, which needs every rank's y in the reference layout
-        ys = [expert_outputs_ref(want[r], xs, r, R, experts) for r in range(R)]
+        ys = [expert_outputs(want[r].src_info, want[r].layout_range, xs, r, experts) for r in range(R)]
         ref_c = reference.low_latency_combine(ys, idxs, ws, [r_.handle for r_ in want])
         same(f"{name} combined vs reference.low_latency_combine", to_numpy(c.x), ref_c[rank])
     out = torch.full_like(x, float("nan"))
@@ -145,17 +146,6 @@ def run_case(buf, rank: int, R: int, seed: int, counts: list[int], topk: int, ho
     if not diff < limit:
         raise Mismatch(f"{name}: DeepEP calc_diff {diff} >= {limit}")
     return {"diff": diff}
-
-
-def expert_outputs_ref(res: reference.LowLatencyDispatchResult, xs, r: int, R: int, experts: int) -> np.ndarray:
-    num_local = experts // R
-    y = np.full(res.src_info.shape + (xs[0].shape[1],), np.nan, dtype=np.float32)
-    for e in range(num_local):
-        for s in range(R):
-            begin, count = (int(v) for v in reference.unpack_layout_range(res.layout_range[e, s]))
-            rows = slice(begin, begin + count)
-            y[e, rows] = xs[s][res.src_info[e, rows]].astype(np.float32) * expert_factor(r * num_local + e)
-    return y.astype(BF16)
 
 
 def graph_check(buf, group, rank: int, R: int) -> int:
