@@ -7,12 +7,14 @@
 //   dispatch send   block b takes tokens b, b + grid, ...: the block stages the token (FP8-quantised, or bf16) in
 //                   shared memory, then warp k writes it to expert topk_idx[t][k]: into slot i of (expert, me),
 //                   where i counts the earlier (token, k) of this rank naming that expert, so the slot order is
-//                   the token order and repeated runs are bit-identical. Direct NVLink stores through
-//                   nvshmem_ptr's pointer, or an NVSHMEM warp put where there is none (two staging buffers: the
-//                   next token is quantised while this one is sent). Each sending warp fences (or quiets) once
-//                   after its last token and bumps a local counter; a warp per expert counts what this rank sends
-//                   it, waits until every sending warp is done, then writes the count as -(n+1) after the data
-//                   (release store, or NVSHMEM signal), so the count's arrival proves the data landed.
+//                   the token order and repeated runs are bit-identical (topk_idx is staged in shared memory
+//                   for that count). Direct NVLink stores through nvshmem_ptr's pointer, or an NVSHMEM warp put
+//                   where there is none (two staging buffers: the next token is quantised while this one is
+//                   sent). After its last token each sending warp bumps the local sent counter of every expert
+//                   it wrote to, behind one gpu-scope fence (a put path quiets first); a warp per expert counts
+//                   what this rank sends it, waits for the counter to reach that, then writes the count as
+//                   -(n+1) with a system-scope release (or an NVSHMEM signal), so the count's arrival proves the
+//                   data landed and no sending warp pays a system fence of its own (DeepEP's finish counters).
 //   dispatch recv   W warps per (local expert, source): wait for the counts of all sources of the expert (the
 //                   prefix over sources is where this source's block starts), copy its messages into
 //                   recv_x [L][R*M][H] and fill recv_count, layout_range and src_info.
@@ -99,7 +101,6 @@ __device__ __forceinline__ void finish_call(const PeersTable* peers, const LowLa
     if (atomicAdd(&sync->done[set], 1) != static_cast<int>(gridDim.x) - 1) return;
     ptx::fence_acq_rel_gpu();
     sync->done[set] = 0;
-    sync->sent_warps = 0;  // every count-sender of this call has seen it complete
     if (receive_half) {
         sync->epoch[set] = epoch;
         uint64_t* word = lay.acks + peers->rank;
@@ -150,24 +151,24 @@ __device__ __forceinline__ bool needs_puts(const PeersTable* peers, int force_pu
 // ---------------------------------------------------------------------------------------------------- dispatch
 
 // Warp `k` of the block sends token t (staged in shared memory) to its k-th expert. Nothing waits here: the
-// warp's stores (or puts) are made visible once, after its last token (see the dispatch kernel).
+// warp releases its messages once, after its last token (see the dispatch kernel).
 __device__ __forceinline__ void send_to_expert(const PeersTable* peers, const LowLatencyLayout& lay,
-                                               const int64_t* topk_idx, const int4* payload, int payload_int4,
-                                               int t, int k, int num_topk, int num_experts, int max_tokens,
-                                               int meta, int force_puts, LowLatencySync* sync, int lane) {
-    const int64_t j = static_cast<int64_t>(t) * num_topk + k;
-    const int64_t expert = __ldg(topk_idx + j);
-    if (expert < 0 || expert >= num_experts) return;  // -1: no expert; others are reported by block 0
+                                              const int* topk_experts, const int4* payload, int payload_int4,
+                                              int t, int k, int num_topk, int num_experts, int max_tokens,
+                                              int meta, int force_puts, LowLatencySync* sync, int lane) {
+    const int j = t * num_topk + k;
+    const int expert = topk_experts[j];
+    if (expert < 0) return;  // -1: no expert; out-of-range ids were staged as -1 and are reported by block 0
     int slot = 0;
-    for (int64_t i = lane; i < j; i += 32) slot += __ldg(topk_idx + i) == expert;
+    for (int i = lane; i < j; i += 32) slot += topk_experts[i] == expert;
     slot = warp_sum(slot);
     if (slot >= max_tokens) {
         if (lane == 0) atomicOr(&sync->status, kLowLatencySlotOverflow);
         return;
     }
     const int num_local = num_experts / peers->num_ranks;
-    const int dst = static_cast<int>(expert) / num_local;
-    int4* mine = lay.dispatch_slot(static_cast<int>(expert) % num_local, peers->rank, slot);
+    const int dst = expert / num_local;
+    int4* mine = lay.dispatch_slot(expert % num_local, peers->rank, slot);
     const int4 header = make_int4(t, k, meta, 0);
     int4* remote = force_puts ? nullptr : on_peer(peers, mine, dst);
     if (remote != nullptr) {
@@ -180,6 +181,58 @@ __device__ __forceinline__ void send_to_expert(const PeersTable* peers, const Lo
         nvshmemx_putmem_nbi_warp(mine, staged_header, kLowLatencyHeaderBytes, dst);
         nvshmemx_putmem_nbi_warp(mine + 1, lay.staging + t * lay.msg_bytes, payload_int4 * 16, dst);
     }
+}
+
+// One received message into its row: payload int4 below data_int4 go to recv_x's row, the rest are the FP8
+// scales (num_scales floats) for recv_scales' row, as floats or UE8M0 bytes. Lane 0 loads the header with the
+// first batch, and each batch's loads are all issued before its stores, so a 7168-channel FP8 message costs two
+// round trips to memory, not five. A message from a peer with other sizes is copied all the same (it stays in
+// the slot's bounds); the caller reports the header's mismatch and the host refuses the results.
+__device__ __forceinline__ int4 receive_message(const int4* msg, int payload_int4, int data_int4, int4* x_row,
+                                                void* recv_scales, int64_t row, int num_scales, bool ue8m0,
+                                                int lane) {
+    constexpr int kInFlight = 8;  // 32 registers of 64 (1024 threads a block)
+    const bool vector_scales = num_scales % 4 == 0;  // scales fill whole int4 (hidden % 512 == 0)
+    const int loaded = vector_scales ? payload_int4 : data_int4;
+    const int4 header = lane == 0 ? ptx::ld_volatile_global_v4(msg) : make_int4(0, 0, 0, 0);
+    const int4* payload = msg + 1;
+    for (int base = 0; base < loaded; base += 32 * kInFlight) {
+        int4 v[kInFlight];
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j) {
+            const int i = base + lane + 32 * j;
+            if (i < loaded) v[j] = ptx::ld_volatile_global_v4(payload + i);
+        }
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j) {
+            const int i = base + lane + 32 * j;
+            if (i < data_int4) {
+                ptx::st_global_L1_no_allocate_v4(x_row + i, v[j]);
+            } else if (i < loaded) {
+                const int word = i - data_int4;  // scales 4 * word .. 4 * word + 3
+                if (ue8m0) {
+                    const uint32_t packed = static_cast<uint32_t>(ue8m0_of(__int_as_float(v[j].x))) |
+                                            static_cast<uint32_t>(ue8m0_of(__int_as_float(v[j].y))) << 8 |
+                                            static_cast<uint32_t>(ue8m0_of(__int_as_float(v[j].z))) << 16 |
+                                            static_cast<uint32_t>(ue8m0_of(__int_as_float(v[j].w))) << 24;
+                    reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(recv_scales) + row * num_scales)[word] = packed;
+                } else {
+                    reinterpret_cast<int4*>(static_cast<float*>(recv_scales) + row * num_scales)[word] = v[j];
+                }
+            }
+        }
+    }
+    if (!vector_scales) {
+        const auto* scales = reinterpret_cast<const float*>(payload + data_int4);
+        for (int c = lane; c < num_scales; c += 32) {
+            const float scale = ld_volatile_f32(scales + c);
+            if (ue8m0)
+                static_cast<uint8_t*>(recv_scales)[row * num_scales + c] = ue8m0_of(scale);
+            else
+                static_cast<float*>(recv_scales)[row * num_scales + c] = scale;
+        }
+    }
+    return header;
 }
 
 __global__ void __launch_bounds__(kLowLatencyThreads, 1)
@@ -197,11 +250,24 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
     const int num_scales = hidden / kFp8BlockChannels;
     const int x_int4 = hidden / 8;  // a bf16 row
     const int payload_int4 = fp8 ? (hidden + num_scales * 4 + 15) / 16 : x_int4;
-    extern __shared__ int4 staged[];  // two tokens' payloads (bf16 size each): one staged while one is sent
+    // Dynamic shared memory: two tokens' payloads (bf16 size each, one staged while one is sent), then topk_idx
+    // as int32 (-1 for no expert or an id out of range), which every slot and count below scans.
+    extern __shared__ int4 staged[];
+    int* topk_experts = reinterpret_cast<int*>(staged + 2 * x_int4);
+    int32_t* expert_sent = expert_sent_counters(sync);
     if (!layout_fits(peers, lay, sync)) phases = 0;
     timeline_mark(timeline, kAtStart);
 
     if (phases & kPhaseSend) {
+        const int num_slots = num_tokens * num_topk;
+        bool invalid = false;
+        for (int j = static_cast<int>(threadIdx.x); j < num_slots; j += kLowLatencyThreads) {
+            const int64_t e = __ldg(topk_idx + j);
+            invalid |= e < -1 || e >= num_experts;
+            topk_experts[j] = e >= 0 && e < num_experts ? static_cast<int>(e) : -1;
+        }
+        if (__syncthreads_or(invalid) && blockIdx.x == 0 && threadIdx.x == 0)
+            atomicOr(&sync->status, kLowLatencyInvalidIds);
         wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)");
         timeline_mark(timeline, kAtAcks);
         const bool puts = needs_puts(peers, force_puts);
@@ -243,34 +309,42 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
                 __syncthreads();
             }
             if (warp < num_topk)
-                send_to_expert(peers, lay, topk_idx, payload, payload_int4, t, warp, num_topk, num_experts,
+                send_to_expert(peers, lay, topk_experts, payload, payload_int4, t, warp, num_topk, num_experts,
                                max_tokens, meta, force_puts, sync, lane);
         }
-        // Each sending warp makes its stores (or puts) visible once, then counts itself; a count goes out only
-        // when every sending warp of every block has (the counts then prove every message landed).
+        // Each sending warp releases its messages once, after its last token: every lane's stores (a put path
+        // quiets first), one gpu-scope fence, then a bump of each expert's counter for every (token, k) it
+        // handled, sent or dropped. The count-sender's acquire of the counter and its system-scope release of the
+        // count carry the stores to the receiver (causality is transitive), so no sending warp pays a system
+        // fence.
         if (warp < num_topk) {
             if (puts) nvshmem_quiet();
-            ptx::fence_acq_rel_sys();
             __syncwarp();
-            if (lane == 0) ptx::red_add_release_gpu_s32(&sync->sent_warps, 1);
+            if (lane == 0) {
+                ptx::fence_acq_rel_gpu();
+                for (int t = static_cast<int>(blockIdx.x); t < num_tokens; t += static_cast<int>(gridDim.x)) {
+                    const int expert = topk_experts[t * num_topk + warp];
+                    if (expert >= 0) atomicAdd(expert_sent + expert, 1);
+                }
+            }
         }
         timeline_mark(timeline, kAtSent);
 
         // The count of each expert, after its data: a warp per expert, spread over the blocks.
-        const int num_slots = num_tokens * num_topk;
         for (int expert = static_cast<int>(blockIdx.x) + warp * static_cast<int>(gridDim.x); expert < num_experts;
              expert += kLowLatencyWarps * static_cast<int>(gridDim.x)) {
-            int n = 0;
-            for (int j = lane; j < num_slots; j += 32) n += __ldg(topk_idx + j) == expert;
-            n = min(warp_sum(n), max_tokens);
+            int named = 0;  // (token, k) naming the expert; the slots hold max_tokens of them at most
+            for (int j = lane; j < num_slots; j += 32) named += topk_experts[j] == expert;
+            named = warp_sum(named);
+            const int n = min(named, max_tokens);
             if (lane == 0) {
-                const int senders = static_cast<int>(gridDim.x) * num_topk;
-                timeout_while(peers, WaitSite{"ll_dispatch: this rank's sending warps done (channel: expert)", -1,
-                                              expert, senders},
+                timeout_while(peers, WaitSite{"ll_dispatch: this rank's messages to expert (channel) sent", -1,
+                                              expert, named},
                               [&](int64_t& seen) {
-                                  seen = ptx::ld_acquire_gpu_s32(&sync->sent_warps);
-                                  return seen != senders;
+                                  seen = ptx::ld_acquire_gpu_s32(expert_sent + expert);
+                                  return seen != named;
                               });
+                expert_sent[expert] = 0;  // every message of this call is counted; the next call starts at 0
                 const int dst = expert / num_local;
                 uint64_t* word = lay.counts + static_cast<int64_t>(expert % num_local) * num_ranks + me;
                 const uint64_t signal = epoch_signal(epoch, static_cast<uint32_t>(-(n + 1)));
@@ -282,14 +356,6 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
             }
         }
         timeline_mark(timeline, kAtCounted);
-        if (blockIdx.x == 0) {
-            bool invalid = false;
-            for (int j = static_cast<int>(threadIdx.x); j < num_slots; j += kLowLatencyThreads) {
-                const int64_t e = __ldg(topk_idx + j);
-                invalid |= e < -1 || e >= num_experts;
-            }
-            if (__syncthreads_or(invalid) && threadIdx.x == 0) atomicOr(&sync->status, kLowLatencyInvalidIds);
-        }
     }
 
     if (phases & kPhaseRecv) {
@@ -331,29 +397,15 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
                 }
             }
             for (int i = sub; i < n; i += w) {
-                const int4* msg = lay.dispatch_slot(e, src, i);
-                const int4 header = ptx::ld_volatile_global_v4(msg);
-                if (header.z != meta) {
-                    if (lane == 0) atomicOr(&sync->status, kLowLatencyMetaMismatch);
-                    continue;
-                }
                 const int64_t row = e * rows_per_expert + begin + i;
+                const int data_int4 = fp8 ? hidden / 16 : x_int4;
+                const int4 header = receive_message(lay.dispatch_slot(e, src, i), payload_int4, data_int4,
+                                                    recv_x + row * data_int4, recv_scales, row,
+                                                    fp8 ? num_scales : 0, flags & kFlagUe8m0, lane);
                 if (lane == 0) {
+                    if (header.z != meta) atomicOr(&sync->status, kLowLatencyMetaMismatch);
                     recv_src_info[row] = header.x;
                     recv_topk_slot[row] = header.y;
-                }
-                if (fp8) {
-                    warp_copy_peer_written(recv_x + row * (hidden / 16), msg + 1, hidden / 16, lane);
-                    const auto* scales = reinterpret_cast<const float*>(reinterpret_cast<const char*>(msg + 1) + hidden);
-                    for (int c = lane; c < num_scales; c += 32) {
-                        const float scale = ld_volatile_f32(scales + c);
-                        if (flags & kFlagUe8m0)
-                            static_cast<uint8_t*>(recv_scales)[row * num_scales + c] = ue8m0_of(scale);
-                        else
-                            static_cast<float*>(recv_scales)[row * num_scales + c] = scale;
-                    }
-                } else {
-                    warp_copy_peer_written(recv_x + row * x_int4, msg + 1, x_int4, lane);
                 }
             }
         }
@@ -444,12 +496,22 @@ ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const in
             __syncthreads();
             for (int i = static_cast<int>(threadIdx.x); i < row_int4; i += kLowLatencyThreads) {
                 float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                for (int k = 0; k < num_topk; ++k) {
-                    if (!slot_valid[k]) continue;
-                    float v[8];
-                    unpack_bf16x8(ptx::ld_volatile_global_v4(lay.combine_slot(t, k) + i), v);
+                // kInFlight slots' loads issued together, then summed in k order (bit-exact with the reference).
+                constexpr int kInFlight = 4;
+                for (int k0 = 0; k0 < num_topk; k0 += kInFlight) {
+                    int4 raw[kInFlight];
 #pragma unroll
-                    for (int c = 0; c < 8; ++c) acc[c] = __fadd_rn(acc[c], __fmul_rn(v[c], slot_weight[k]));
+                    for (int j = 0; j < kInFlight; ++j)
+                        if (k0 + j < num_topk && slot_valid[k0 + j])
+                            raw[j] = ptx::ld_volatile_global_v4(lay.combine_slot(t, k0 + j) + i);
+#pragma unroll
+                    for (int j = 0; j < kInFlight; ++j) {
+                        if (k0 + j >= num_topk || !slot_valid[k0 + j]) continue;
+                        float v[8];
+                        unpack_bf16x8(raw[j], v);
+#pragma unroll
+                        for (int c = 0; c < 8; ++c) acc[c] = __fadd_rn(acc[c], __fmul_rn(v[c], slot_weight[k0 + j]));
+                    }
                 }
                 out[static_cast<int64_t>(t) * row_int4 + i] = pack_bf16x8(acc);
             }

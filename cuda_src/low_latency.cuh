@@ -93,14 +93,19 @@ __device__ __forceinline__ T* on_peer(const PeersTable* peers, T* mine, int pe) 
 }
 
 // Per-Buffer device words (plain device memory, zeroed at creation): the epoch of each set, the blocks of the
-// running call that have finished (the last one advances the epoch), the status bits the host reads
-// and the dispatch's finished sending warps.
+// running call that have finished (the last one advances the epoch), the status bits the host reads,
+// then the dispatch's per-expert sent counters.
 struct LowLatencySync {
     int32_t epoch[2];
     int32_t done[2];
     int32_t status;
-    int32_t sent_warps;  // dispatch: sending warps of the running call that have made their messages visible
-    int32_t pad[2];
+    int32_t pad[3];
+    // Followed by int32 expert_sent[num_experts] (dispatch: messages of the running call sent to each expert;
+    // its count-sender zeroes it once the count is out, so every call starts from zero).
 };
+
+__device__ __forceinline__ int32_t* expert_sent_counters(LowLatencySync* sync) {
+    return reinterpret_cast<int32_t*>(sync + 1);
+}
 
 }  // namespace epjit

@@ -36,6 +36,7 @@ from .kernels.low_latency import (
     FLAG_UE8M0,
     LOW_LATENCY_MAX_TOPK,
     LOW_LATENCY_THREADS,
+    MAX_DYNAMIC_SHARED_BYTES,
     PHASE_RECV,
     PHASE_SEND,
     STATUS_INVALID_IDS,
@@ -46,6 +47,7 @@ from .kernels.low_latency import (
     TIMELINE_POINTS,
     TIMELINE_SLOTS,
     LowLatencySpec,
+    dispatch_shared_bytes,
     low_latency_size_hint,
 )
 from .memory import MappedHostArray, PeerMemory
@@ -315,7 +317,7 @@ class _LowLatencyState:
     def __init__(self, buffer: Buffer) -> None:
         cupy = _cupy()
         self.module = jit.load(LowLatencySpec(), buffer.group.device)
-        self.sync = cupy.zeros(SYNC_BYTES // 4, dtype=cupy.int32)
+        self.sync = cupy.zeros(SYNC_BYTES // 4 + buffer.num_experts, dtype=cupy.int32)  # + expert_sent
         self.host_status = MappedHostArray(64)
         self.next_set = 0
         self.pending: list[str | None] = [None, None]  # per set: which call's hook has not run yet
@@ -967,6 +969,12 @@ class Buffer:
                                           "num_experts / ranks experts)"))
         if h % 8:
             raise ArgumentError(with_rank(f"hidden={h} must be a multiple of 8 (16-byte rows)"))
+        if dispatch_shared_bytes(h, m, LOW_LATENCY_MAX_TOPK) > MAX_DYNAMIC_SHARED_BYTES:
+            raise ArgumentError(with_rank(
+                f"num_max_dispatch_tokens_per_rank={m} with hidden={h} is too large for low-latency mode: each "
+                f"dispatch block stages two tokens and every topk_idx entry in shared memory "
+                f"({dispatch_shared_bytes(h, m, LOW_LATENCY_MAX_TOPK)} bytes at top-{LOW_LATENCY_MAX_TOPK}, "
+                f"{MAX_DYNAMIC_SHARED_BYTES} available)"))
         need = low_latency_size_hint(m, h, r, e)
         if num_rdma_bytes == 0:
             return need
@@ -1091,7 +1099,7 @@ class Buffer:
             topk_slot = self._empty((num_local, rows), cupy.int32)
             layout_range = self._empty((num_local, r), cupy.int64)
             recv_count = self._empty((num_local,), cupy.int32)
-            shared = 2 * 16 * (hidden // 8)  # two staged tokens (bf16 size)
+            shared = dispatch_shared_bytes(hidden, num_tokens, num_topk)
 
             def launch(phases: int) -> None:
                 ll.module.launch(

@@ -1,4 +1,5 @@
-"""Specs of the foundation kernels: the NVLink barrier (+ its exchange self-check) and the NVSHMEM self-check."""
+"""Specs of the foundation kernels: the NVLink barrier (+ its exchange self-check), the NVSHMEM self-check and the
+wall-clock spin the benchmark starts from."""
 
 from __future__ import annotations
 
@@ -38,3 +39,11 @@ class PutSignalCheckSpec(KernelSpec):
         "put_signal_check": (PEERS, ("round", "int"), ("num_ints", "int"), ("skip_rank", "int"), ("errors", "int*")),
     }
     USES_NVSHMEM = True
+
+
+@dataclass(frozen=True)
+class SpinSpec(KernelSpec):
+    """cuda_src/clock.cu: one thread spins for a wall-clock time (the benchmark hides host launches behind it)."""
+
+    SOURCE = "clock.cu"
+    KERNELS = {"spin_for_ns": (("ns", "uint64_t"),)}

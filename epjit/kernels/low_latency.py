@@ -11,7 +11,8 @@ PEERS = ("peers", "const PeersTable*")
 LOW_LATENCY_THREADS = 1024
 LOW_LATENCY_MAX_TOPK = 16  # kLowLatencyMaxTopk: combine slots per token
 LOW_LATENCY_HEADER_BYTES = 16
-SYNC_BYTES = 32  # sizeof(LowLatencySync)
+SYNC_BYTES = 32  # sizeof(LowLatencySync); int32 expert_sent[num_experts] follow it
+MAX_DYNAMIC_SHARED_BYTES = 227 * 1024  # sm_90's opt-in limit per block
 PHASE_SEND, PHASE_RECV = 1, 2
 TIMELINE_SLOTS = 8  # kTimelineSlots
 TIMELINE_POINTS = ("start", "acks", "sent", "counted", "counts", "received", "end")  # enum TimelinePoint
@@ -49,6 +50,11 @@ def _align(n: int) -> int:
 def message_bytes(hidden: int) -> int:
     """Stride of one dispatch message: 16-byte header + the larger payload (bf16), 16-byte aligned."""
     return (LOW_LATENCY_HEADER_BYTES + 2 * hidden + 15) // 16 * 16
+
+
+def dispatch_shared_bytes(hidden: int, num_tokens: int, num_topk: int) -> int:
+    """ll_dispatch's dynamic shared memory: two staged tokens (bf16 size) and topk_idx as int32."""
+    return 2 * 2 * hidden + 4 * num_tokens * num_topk
 
 
 def low_latency_set_bytes(num_ranks: int, num_experts: int, max_tokens: int, hidden: int) -> int:

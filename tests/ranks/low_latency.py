@@ -279,6 +279,9 @@ def refusals(buf, group, rank: int, R: int) -> dict[str, str]:
     refused("differs_across_ranks", lambda: epjit.Buffer(group, low_latency_mode=True,
                                                          num_max_dispatch_tokens_per_rank=8, hidden=256,
                                                          num_experts=R * (1 + rank)))
+    refused("too_many_for_shared_memory", lambda: epjit.Buffer(group, low_latency_mode=True,
+                                                               num_max_dispatch_tokens_per_rank=8192, hidden=7168,
+                                                               num_experts=R))
     refused("wrong_dtype", lambda: buf.low_latency_dispatch(x[:1].float(), idx[:1], m, experts))
     # A hook run twice; a set reused while its hook is pending (every rank does the same calls, so they stay in step).
     d1 = buf.low_latency_dispatch(x[:2], idx[:2], m, experts, return_recv_hook=True)
