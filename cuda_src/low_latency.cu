@@ -150,18 +150,54 @@ __device__ __forceinline__ bool needs_puts(const PeersTable* peers, int force_pu
 
 // ---------------------------------------------------------------------------------------------------- dispatch
 
-// Warp `k` of the block sends token t (staged in shared memory) to its k-th expert. Nothing waits here: the
-// warp releases its messages once, after its last token (see the dispatch kernel).
-__device__ __forceinline__ void send_to_expert(const PeersTable* peers, const LowLatencyLayout& lay,
-                                              const int* topk_experts, const int4* payload, int payload_int4,
-                                              int t, int k, int num_topk, int num_experts, int max_tokens,
-                                              int meta, int force_puts, LowLatencySync* sync, int lane) {
+// Stager warp `stager` of `num_stagers` stages one token in shared memory: FP8 (bytes, then one float scale per
+// 128 channels) or bf16 as it is. Whole warps walk the row so the 16 lanes of a 128-channel block reduce
+// together.
+__device__ __forceinline__ void stage_token(const int4* row, int4* payload, int x_int4, int hidden, bool fp8,
+                                            int flags, int stager, int num_stagers, int lane) {
+    if (!fp8) {
+        for (int i = stager * 32 + lane; i < x_int4; i += num_stagers * 32)
+            payload[i] = ptx::ld_global_nc_L1_no_allocate_v4(row + i);
+        return;
+    }
+    auto* bytes = reinterpret_cast<uint2*>(payload);
+    auto* scales = reinterpret_cast<float*>(reinterpret_cast<char*>(payload) + hidden);
+    for (int base = stager * 32; base < x_int4; base += num_stagers * 32) {
+        const int i = base + lane;
+        float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        float amax = 0.0f;
+        if (i < x_int4) {
+            unpack_bf16x8(ptx::ld_global_nc_L1_no_allocate_v4(row + i), v);
+#pragma unroll
+            for (int c = 0; c < 8; ++c) amax = fmaxf(amax, fabsf(v[c]));
+        }
+        const float scale = fp8_scale(block128_amax(amax), flags & kFlagRoundScale);
+        if (i < x_int4) {
+            bytes[i] = quantize_x8(v, __fdiv_rn(1.0f, scale));
+            if (i % 16 == 0) scales[i / 16] = scale;
+        }
+    }
+}
+
+// The slot of (token t, k) at its expert: how many earlier (token, k) of this rank name the same expert, so the
+// slot order is the token order. -1 for no expert (out-of-range ids were staged as -1; block 0 reports them).
+__device__ __forceinline__ int message_slot(const int* topk_experts, int t, int k, int num_topk, int lane) {
     const int j = t * num_topk + k;
     const int expert = topk_experts[j];
-    if (expert < 0) return;  // -1: no expert; out-of-range ids were staged as -1 and are reported by block 0
+    if (expert < 0) return -1;
     int slot = 0;
     for (int i = lane; i < j; i += 32) slot += topk_experts[i] == expert;
-    slot = warp_sum(slot);
+    return warp_sum(slot);
+}
+
+// Warp `k` of the block sends token t (staged in shared memory) to its k-th expert, into `slot`. Nothing waits
+// here: the warp releases its messages once, after its last token (see the dispatch kernel).
+__device__ __forceinline__ void send_to_expert(const PeersTable* peers, const LowLatencyLayout& lay,
+                                              const int* topk_experts, const int4* payload, int payload_int4,
+                                              int t, int k, int slot, int num_topk, int num_experts, int max_tokens,
+                                              int meta, int force_puts, LowLatencySync* sync, int lane) {
+    const int expert = topk_experts[t * num_topk + k];
+    if (expert < 0) return;
     if (slot >= max_tokens) {
         if (lane == 0) atomicOr(&sync->status, kLowLatencySlotOverflow);
         return;
@@ -268,38 +304,28 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
         }
         if (__syncthreads_or(invalid) && blockIdx.x == 0 && threadIdx.x == 0)
             atomicOr(&sync->status, kLowLatencyInvalidIds);
-        wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)");
-        timeline_mark(timeline, kAtAcks);
         const bool puts = needs_puts(peers, force_puts);
-        // Double-buffered: while warps 0..K-1 send token i from one buffer, the others stage token i+1 in the
-        // other, so one __syncthreads a token suffices (it also tells the senders the next token is staged).
+        // Warps 0..K-1 send; the others stage the next token meanwhile (its payload and its K slots), into the
+        // other of two buffers, so one __syncthreads a token suffices (it also tells the senders the next token
+        // is staged). Every warp stages the first token, before the block waits for the acks: staging touches no
+        // peer. K <= 16, so at least K warps stage.
+        __shared__ int token_slots[2][kLowLatencyMaxTopk];
         int i_token = 0;
         for (int t = static_cast<int>(blockIdx.x); t < num_tokens; t += static_cast<int>(gridDim.x), ++i_token) {
-            const int4* row = x + static_cast<int64_t>(t) * x_int4;
-            int4* payload = staged + (i_token & 1) * x_int4;
-            if (fp8) {
-                auto* bytes = reinterpret_cast<uint2*>(payload);
-                auto* scales = reinterpret_cast<float*>(reinterpret_cast<char*>(payload) + hidden);
-                // Whole warps walk the row so the 16 lanes of a 128-channel block reduce together.
-                for (int base = warp * 32; base < x_int4; base += kLowLatencyThreads) {
-                    const int i = base + lane;
-                    float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                    float amax = 0.0f;
-                    if (i < x_int4) {
-                        unpack_bf16x8(ptx::ld_global_nc_L1_no_allocate_v4(row + i), v);
-#pragma unroll
-                        for (int c = 0; c < 8; ++c) amax = fmaxf(amax, fabsf(v[c]));
-                    }
-                    const float scale = fp8_scale(block128_amax(amax), flags & kFlagRoundScale);
-                    if (i < x_int4) {
-                        bytes[i] = quantize_x8(v, __fdiv_rn(1.0f, scale));
-                        if (i % 16 == 0) scales[i / 16] = scale;
-                    }
-                }
-            } else {
-                for (int i = static_cast<int>(threadIdx.x); i < x_int4; i += kLowLatencyThreads)
-                    payload[i] = ptx::ld_global_nc_L1_no_allocate_v4(row + i);
+            const int first_stager = i_token == 0 ? 0 : num_topk;
+            if (warp >= first_stager)
+                stage_token(x + static_cast<int64_t>(t) * x_int4, staged + (i_token & 1) * x_int4, x_int4, hidden,
+                            fp8, flags, warp - first_stager, kLowLatencyWarps - first_stager, lane);
+            const int slot_k = warp - first_stager;
+            if (slot_k >= 0 && slot_k < num_topk) {
+                const int slot = message_slot(topk_experts, t, slot_k, num_topk, lane);
+                if (lane == 0) token_slots[i_token & 1][slot_k] = slot;
             }
+            if (i_token == 0) {
+                wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)");
+                timeline_mark(timeline, kAtAcks);
+            }
+            const int4* payload = staged + (i_token & 1) * x_int4;
             __syncthreads();
             if (puts) {  // NVSHMEM puts read global memory: the block copies the payload to the staging row
                 int4* staging = reinterpret_cast<int4*>(lay.staging + t * lay.msg_bytes);
@@ -309,8 +335,13 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
                 __syncthreads();
             }
             if (warp < num_topk)
-                send_to_expert(peers, lay, topk_experts, payload, payload_int4, t, warp, num_topk, num_experts,
-                               max_tokens, meta, force_puts, sync, lane);
+                send_to_expert(peers, lay, topk_experts, payload, payload_int4, t, warp,
+                               token_slots[i_token & 1][warp], num_topk, num_experts, max_tokens, meta, force_puts,
+                               sync, lane);
+        }
+        if (i_token == 0) {  // a block without tokens still writes counts into the peers' set
+            wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)");
+            timeline_mark(timeline, kAtAcks);
         }
         // Each sending warp releases its messages once, after its last token: every lane's stores (a put path
         // quiets first), one gpu-scope fence, then a bump of each expert's counter for every (token, k) it

@@ -53,14 +53,13 @@ def _free_port() -> int:
 
 
 def _start_together(group: Any) -> None:
-    """A host barrier, then a device one: a one-element NCCL all_reduce on the current stream, so the start event
-    recorded after it fires at about the same moment on every GPU. Without it the host barrier's skew between
-    ranks (tens of microseconds on 4 processes) is timed as part of whatever waits for a peer first.
+    """Make every rank's next timed work start at about the same moment, right behind the host's launches.
 
-    Then the GPU spins a fixed wall-clock time while the host enqueues the timed work behind it, so the start
-    event and the work run back to back, as inside a step where the host runs ahead of the GPU. Without it the
-    host's launch time (and its skew between ranks) lands between the two: 18-21 us on 4 x H200 for a one-kernel
-    graph."""
+    A host barrier; then the GPU spins a fixed wall-clock time, long enough for the host to enqueue everything up
+    to the end event behind it (as inside a step, where the host runs ahead of the GPU); then a one-element NCCL
+    all_reduce, the last thing before the start event: it ends at about the same moment on every GPU, so no
+    rank's launch delay or barrier skew (tens of microseconds on 4 processes) is timed as part of whatever waits
+    for a peer first. Without the spin a one-kernel graph times 18-21 us on 4 x H200 instead of ~5."""
     import cupy
     import torch
     import torch.distributed as dist
@@ -68,18 +67,21 @@ def _start_together(group: Any) -> None:
     from . import jit
     from .kernels import SpinSpec
 
-    global _ALIGN, _SPIN
+    global _ALIGN, _SPIN, _SPIN_STREAM
     group.barrier()
+    stream = torch.cuda.current_stream()
     if _ALIGN is None:
         _ALIGN = torch.zeros(1, device="cuda")
         _SPIN = jit.load(SpinSpec(), torch.cuda.current_device())
+    if _SPIN_STREAM is None or _SPIN_STREAM.ptr != stream.cuda_stream:
+        _SPIN_STREAM = cupy.cuda.ExternalStream(stream.cuda_stream)
+    _SPIN.launch("spin_for_ns", 1, 1, _HIDE_LAUNCH_NS, stream=_SPIN_STREAM)
     dist.all_reduce(_ALIGN)
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-    _SPIN.launch("spin_for_ns", 1, 1, _HIDE_LAUNCH_NS, stream=stream)
 
 
 _ALIGN: Any = None
 _SPIN: Any = None
+_SPIN_STREAM: Any = None
 _HIDE_LAUNCH_NS = 200_000  # longer than any host-side launch timed here
 
 
@@ -98,6 +100,20 @@ def _median_us(fn: Any, group: Any, repeat: int, warmup: int = 5) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def _host_us(fn: Any, repeat: int) -> float:
+    """Median wall time the host spends inside one eager call (the GPU is drained between calls, not timed)."""
+    import torch
+
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
     return statistics.median(times)
 
 
@@ -309,6 +325,12 @@ def _bench_low_latency_case(buf: Any, group: Any, dist: Any, args: argparse.Name
                                                                               args.repeat)
     if args.profile:
         _profile_low_latency(buf, group, x, idx, w, y, handle, tokens)
+        host = {name: _host_us(call, args.repeat) for name, call in (
+            ("dispatch", lambda: buf.low_latency_dispatch(x, idx, max_tokens, experts)),
+            ("combine", lambda: buf.low_latency_combine(y, idx, w, handle)))}
+        if rank == 0:
+            print(f"  host time of an eager call, {tokens} tokens: " +
+                  ", ".join(f"{k} {v:.1f} us" for k, v in host.items()), flush=True)
     nccl: dict[str, float | None] = {"dispatch": None, "combine": None}
     if not args.no_nccl:
         nccl["dispatch"] = _nccl_bytes_us(dist, group, pairs, recv_pairs, msg, args.repeat)

@@ -122,10 +122,23 @@ def _address(arr: Any) -> int:
     return data_ptr() if data_ptr is not None else arr.data.ptr
 
 
+def _arg_address(arg: Any) -> int:
+    """Device address of a kernel argument: an int (already one, from arrays.kernel_arg), a torch tensor or a CuPy
+    array."""
+    return arg if isinstance(arg, int) else _address(arg)
+
+
 def _bf16() -> Any:
     import ml_dtypes
 
     return ml_dtypes.bfloat16
+
+
+def _cupy_dtype(name: str) -> Any:
+    """The CuPy dtype holding arrays.DTYPES' `name` (FP8 as uint8 storage, bfloat16 from ml_dtypes)."""
+    if name == "float8_e4m3fn":
+        return np.uint8
+    return _bf16() if name == "bfloat16" else np.dtype(name)
 
 
 # Configs and the NVLink bytes they need, computed once per distinct argument set (they sit on every call's path).
@@ -271,7 +284,7 @@ class CombineResult:
 @dataclass
 class LowLatencyHandle:
     """What low-latency combine needs to send a dispatch's rows home. Arrays: the caller's framework (public) and
-    CuPy (internal)."""
+    torch or CuPy (internal: what the kernels get the addresses of)."""
 
     src_info: Any  # [L, R*max] int32: source token index of each received row
     layout_range: Any  # [L, R] int64: begin << 32 | count of each source's block
@@ -279,8 +292,8 @@ class LowLatencyHandle:
     hidden: int
     num_experts: int
     num_topk: int
-    src_info_cupy: Any = field(repr=False)
-    layout_range_cupy: Any = field(repr=False)
+    src_info_dev: Any = field(repr=False)
+    layout_range_dev: Any = field(repr=False)
     topk_slot: Any = field(repr=False)  # [L, R*max] int32: which top-k slot of its token each row answers
     buffer_id: int = field(default=0, repr=False)
     pending: list[bool] = field(default_factory=lambda: [False], repr=False)  # its dispatch's hook not yet run
@@ -318,6 +331,7 @@ class _LowLatencyState:
         cupy = _cupy()
         self.module = jit.load(LowLatencySpec(), buffer.group.device)
         self.sync = cupy.zeros(SYNC_BYTES // 4 + buffer.num_experts, dtype=cupy.int32)  # + expert_sent
+        self.sync_ptr = self.sync.data.ptr  # kernel arguments as ints take the launcher's fast path
         self.host_status = MappedHostArray(64)
         self.next_set = 0
         self.pending: list[str | None] = [None, None]  # per set: which call's hook has not run yet
@@ -415,13 +429,13 @@ class Buffer:
                         out[f"{name}:{point}:max"] = round(float(reached.max() - t0) / 1e3, 1)
         return out
 
-    def _ll_timeline(self, ll: _LowLatencyState, name: str) -> Any:
-        """A zeroed stamp array for one low-latency kernel when profiling, else None (no stamps)."""
+    def _ll_timeline(self, ll: _LowLatencyState, name: str) -> int:
+        """The address of a zeroed stamp array for one low-latency kernel when profiling, else 0 (no stamps)."""
         if not self._profile.enabled:
-            return None
+            return 0
         timeline = _cupy().zeros(ll.num_sms * TIMELINE_SLOTS, dtype=np.uint64)
         ll.timelines.append((name, timeline))
-        return timeline
+        return timeline.data.ptr
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
@@ -1076,45 +1090,52 @@ class Buffer:
         if use_fp8 and hidden % 128:
             raise ArgumentError(with_rank(f"use_fp8=True needs hidden % 128 == 0, hidden={hidden}"))
         num_local = e // r
-        stats = None
+        stats_arg = 0
         if cumulative_local_expert_recv_stats is not None:
-            arrays.check(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", dtype="int32",
-                         shape=(num_local,), device=dev)
-            stats = arrays.to_cupy(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats")
-        x_arr, idx_arr = arrays.to_cupy(x, "x"), arrays.to_cupy(topk_idx, "topk_idx")
+            s_info = arrays.check(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats",
+                                  dtype="int32", shape=(num_local,), device=dev)
+            stats_arg = arrays.kernel_arg(cumulative_local_expert_recv_stats, s_info,
+                                          "cumulative_local_expert_recv_stats")
+        x_arg, idx_arg = arrays.kernel_arg(x, x_info, "x"), arrays.kernel_arg(topk_idx, k_info, "topk_idx")
         s = self._low_latency_set(ll, "dispatch")
         ll.timelines = []
-        cupy = _cupy()
         rows = r * m
         num_scales = hidden // 128
         flags = (FLAG_FP8 if use_fp8 else 0) | (FLAG_ROUND_SCALE if round_scale else 0) | \
                 (FLAG_UE8M0 if use_ue8m0 else 0)
-        caller = self._begin(None)
-        with self.comm_stream:
-            recv_x = self._empty((num_local, rows, hidden), cupy.uint8 if use_fp8 else x_arr.dtype)
-            recv_scales = None
-            if use_fp8:
-                recv_scales = self._empty((num_local, rows, num_scales), cupy.uint8 if use_ue8m0 else cupy.float32)
-            src_info = self._empty((num_local, rows), cupy.int32)
-            topk_slot = self._empty((num_local, rows), cupy.int32)
-            layout_range = self._empty((num_local, r), cupy.int64)
-            recv_count = self._empty((num_local,), cupy.int32)
-            shared = dispatch_shared_bytes(hidden, num_tokens, num_topk)
-
-            def launch(phases: int) -> None:
-                ll.module.launch(
-                    "ll_dispatch", ll.num_sms, LOW_LATENCY_THREADS, self.mem.table_ptr, x_arr, idx_arr, num_tokens,
-                    num_topk, hidden, e, m, s, phases, flags, ll.force_puts, ll.sync,
-                    ll.host_status.device_ptr, recv_x, recv_scales, src_info, topk_slot, layout_range, recv_count,
-                    stats, self._ll_timeline(ll, "ll_dispatch" + _PHASE_SUFFIX[phases]), shared_mem=shared,
-                    stream=self.comm_stream)
-
-            launch(PHASE_SEND if return_recv_hook else PHASE_SEND | PHASE_RECV)
-        event = self._finish(caller, async_finish)
         fw = x_info.framework
-        handle = LowLatencyHandle(arrays.from_cupy(src_info, fw), arrays.from_cupy(layout_range, fw), m, hidden, e,
-                                  num_topk, src_info, layout_range, topk_slot, buffer_id=id(self),
-                                  pending=[bool(return_recv_hook)])
+        direct = fw == "torch"  # torch outputs from torch's allocator (see _torch_outputs)
+        caller = self._begin(None)
+        specs = (((num_local, rows, hidden), "float8_e4m3fn" if use_fp8 else "bfloat16"),
+                 ((num_local, rows, num_scales), "uint8" if use_ue8m0 else "float32") if use_fp8 else None,
+                 ((num_local, rows), "int32"), ((num_local, rows), "int32"), ((num_local, r), "int64"),
+                 ((num_local,), "int32"))
+        if direct:
+            outs = self._torch_outputs(*specs)
+        else:
+            with self.comm_stream:
+                outs = tuple(None if spec is None else self._empty(spec[0], _cupy_dtype(spec[1]))
+                             for spec in specs)
+        recv_x, recv_scales, src_info, topk_slot, layout_range, recv_count = outs
+        shared = dispatch_shared_bytes(hidden, num_tokens, num_topk)
+
+        def launch(phases: int) -> None:  # refers to the outputs: a pending hook keeps them alive
+            ll.module.launch(
+                "ll_dispatch", ll.num_sms, LOW_LATENCY_THREADS, self.mem.table_ptr, x_arg, idx_arg, num_tokens,
+                num_topk, hidden, e, m, s, phases, flags, ll.force_puts, ll.sync_ptr, ll.host_status.device_ptr,
+                *map(_address, outs), stats_arg, self._ll_timeline(ll, "ll_dispatch" + _PHASE_SUFFIX[phases]),
+                shared_mem=shared, stream=self.comm_stream)
+
+        launch(PHASE_SEND if return_recv_hook else PHASE_SEND | PHASE_RECV)
+        event = self._finish(caller, async_finish)
+        if direct and async_finish:
+            self._used_by_comm_stream((*outs, x, topk_idx, cumulative_local_expert_recv_stats))
+
+        def public(arr: Any, **kw: Any) -> Any:
+            return arr if direct or arr is None else arrays.from_cupy(arr, fw, **kw)
+
+        handle = LowLatencyHandle(public(src_info), public(layout_range), m, hidden, e, num_topk, src_info,
+                                  layout_range, topk_slot, buffer_id=id(self), pending=[bool(return_recv_hook)])
         hook = None
         if return_recv_hook:
             def done() -> None:
@@ -1122,9 +1143,8 @@ class Buffer:
 
             hook = self._low_latency_hook(ll, s, "dispatch", lambda: launch(PHASE_RECV), async_finish, x, done)
         return LowLatencyDispatchResult(
-            x=arrays.from_cupy(recv_x, fw, dtype="float8_e4m3fn" if use_fp8 else None, name="recv_x"),
-            x_scales=arrays.from_cupy(recv_scales, fw) if recv_scales is not None else None,
-            recv_count=arrays.from_cupy(recv_count, fw), handle=handle, event=event, hook=hook)
+            x=public(recv_x, dtype="float8_e4m3fn" if use_fp8 else None, name="recv_x"),
+            x_scales=public(recv_scales), recv_count=public(recv_count), handle=handle, event=event, hook=hook)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> Any:
         """A [L, R*max, H] bf16 array for the expert outputs of the next low_latency_combine (zero_copy=True).
@@ -1174,35 +1194,50 @@ class Buffer:
         num_tokens = k_info.shape[0]
         if num_tokens > m:
             raise ArgumentError(with_rank(f"topk_idx has {num_tokens} tokens but num_max_dispatch_tokens_per_rank={m}"))
-        arrays.check(topk_weights, "topk_weights", dtype="float32", shape=(("N", num_tokens), ("K", handle.num_topk)),
-                     shape_note="matching topk_idx", device=dev)
-        y_arr = arrays.to_cupy(y, "y")
-        if zero_copy and not any(b is not None and b.data.ptr == y_arr.data.ptr for b in ll.combine_buffers):
+        w_info = arrays.check(topk_weights, "topk_weights", dtype="float32",
+                              shape=(("N", num_tokens), ("K", handle.num_topk)), shape_note="matching topk_idx",
+                              device=dev)
+        y_arg = arrays.kernel_arg(y, y_info, "y")
+        if zero_copy and not any(b is not None and b.data.ptr == _arg_address(y_arg) for b in ll.combine_buffers):
             raise ArgumentError(with_rank("zero_copy=True needs y from get_next_low_latency_combine_buffer(handle)"))
-        idx_arr, w_arr = arrays.to_cupy(topk_idx, "topk_idx"), arrays.to_cupy(topk_weights, "topk_weights")
-        out_arr = None
+        idx_arg = arrays.kernel_arg(topk_idx, k_info, "topk_idx")
+        w_arg = arrays.kernel_arg(topk_weights, w_info, "topk_weights")
+        out_arg = None
         if out is not None:
-            arrays.check(out, "out", dtype="bfloat16", shape=(("N", num_tokens), ("H", hidden)), device=dev)
-            out_arr = arrays.to_cupy(out, "out")
+            o_info = arrays.check(out, "out", dtype="bfloat16", shape=(("N", num_tokens), ("H", hidden)), device=dev)
+            out_arg = arrays.kernel_arg(out, o_info, "out")
+        fw = y_info.framework
+        direct = fw == "torch"  # torch output from torch's allocator (see _torch_outputs)
         s = self._low_latency_set(ll, "combine")
         ll.timelines = []
         caller = self._begin(None)
-        with self.comm_stream:
-            if out_arr is None:
-                out_arr = self._empty((num_tokens, hidden), y_arr.dtype)
+        if out is None:
+            if direct:
+                (out_arg,) = self._torch_outputs(((num_tokens, hidden), "bfloat16"))
+            else:
+                with self.comm_stream:
+                    out_arg = self._empty((num_tokens, hidden), _bf16())
 
-            def launch(phases: int) -> None:
-                ll.module.launch(
-                    "ll_combine", ll.num_sms, LOW_LATENCY_THREADS, self.mem.table_ptr, y_arr, handle.src_info_cupy,
-                    handle.topk_slot, handle.layout_range_cupy, idx_arr, w_arr, out_arr, num_tokens,
-                    handle.num_topk, hidden, e, m, s, phases, ll.force_puts, ll.sync, ll.host_status.device_ptr,
-                    self._ll_timeline(ll, "ll_combine" + _PHASE_SUFFIX[phases]), stream=self.comm_stream)
+        def launch(phases: int) -> None:  # refers to the output: a pending hook keeps it alive
+            ll.module.launch(
+                "ll_combine", ll.num_sms, LOW_LATENCY_THREADS, self.mem.table_ptr, y_arg,
+                _address(handle.src_info_dev), _address(handle.topk_slot), _address(handle.layout_range_dev),
+                idx_arg, w_arg, _arg_address(out_arg), num_tokens, handle.num_topk, hidden, e, m, s, phases,
+                ll.force_puts, ll.sync_ptr, ll.host_status.device_ptr,
+                self._ll_timeline(ll, "ll_combine" + _PHASE_SUFFIX[phases]), stream=self.comm_stream)
 
-            launch(PHASE_SEND if return_recv_hook else PHASE_SEND | PHASE_RECV)
+        launch(PHASE_SEND if return_recv_hook else PHASE_SEND | PHASE_RECV)
         event = self._finish(caller, async_finish)
+        if direct and async_finish:
+            self._used_by_comm_stream((out_arg, y, topk_idx, topk_weights))
         hook = self._low_latency_hook(ll, s, "combine", lambda: launch(PHASE_RECV), async_finish, y) \
             if return_recv_hook else None
-        result_x = out if out is not None else arrays.from_cupy(out_arr, y_info.framework, name="combined_x")
+        if out is not None:
+            result_x = out
+        elif direct:
+            result_x = out_arg
+        else:
+            result_x = arrays.from_cupy(out_arg, fw, name="combined_x")
         return LowLatencyCombineResult(result_x, event, hook)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int | None = None, hidden: int | None = None,

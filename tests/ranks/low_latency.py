@@ -249,6 +249,27 @@ def extras_check(buf, rank: int, R: int) -> dict:
     c = buf.low_latency_combine(d.x, idx, w, d.handle)
     sync(buf)
     same("combine after clean_low_latency_buffer", to_numpy(c.x), to_numpy(plain))
+    # The same calls from CuPy (outputs from CuPy's pool, handed back as CuPy arrays, FP8 as uint8): identical.
+    import cupy
+
+    xc, idxc, wc = cupy.from_dlpack(x), cupy.from_dlpack(idx), cupy.from_dlpack(w)
+    dt = buf.low_latency_dispatch(x, idx, m, experts)
+    dc = buf.low_latency_dispatch(xc, idxc, m, experts)
+    sync(buf)
+    rows = int(dt.recv_count.sum())
+    if not (isinstance(dc.x, cupy.ndarray) and dc.x.dtype == np.uint8 and rows == int(dc.recv_count.sum())):
+        raise Mismatch(f"CuPy dispatch gave {type(dc.x).__name__} {dc.x.dtype}, {int(dc.recv_count.sum())} rows")
+    for e in range(experts // R):  # the rows each local expert received (the rest are garbage by contract)
+        n = int(dt.recv_count[e])
+        same(f"CuPy dispatch x (expert {e})", cupy.asnumpy(dc.x[e, :n]), to_numpy(dt.x[e, :n]))
+        same(f"CuPy dispatch scales (expert {e})", cupy.asnumpy(dc.x_scales[e, :n]), to_numpy(dt.x_scales[e, :n]))
+    d = buf.low_latency_dispatch(xc, idxc, m, experts, use_fp8=False)
+    out = cupy.empty((m, hidden), dtype=BF16)
+    c = buf.low_latency_combine(d.x, idxc, wc, d.handle, out=out)
+    sync(buf)
+    if c.x is not out:
+        raise Mismatch("combine(out=...) did not return out")
+    same("CuPy combine", cupy.asnumpy(out), to_numpy(plain))
     try:
         buf.dispatch(x, topk_idx=idx, num_experts=experts)
         refused = "NOT REFUSED"
