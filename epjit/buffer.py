@@ -1034,7 +1034,8 @@ class Buffer:
     def _low_latency_hook(self, ll: _LowLatencyState, s: int, call: str, launch: Callable[[], None],
                           async_finish: bool, like: Any, then: Callable[[], None] | None = None) -> Callable[[], None]:
         """The receive half as a callable, run on the stream current when it is called (torch's, for torch
-        arrays like ``like``): so a hook called inside a CUDA-graph capture is captured there."""
+        arrays like ``like``, an array or a tuple led by one): so a hook called inside a CUDA-graph capture is
+        captured there. The hook holds ``like`` until it runs."""
         ll.pending[s] = f"low_latency_{call}"
         ran = [False]
 
@@ -1230,8 +1231,9 @@ class Buffer:
         event = self._finish(caller, async_finish)
         if direct and async_finish:
             self._used_by_comm_stream((out_arg, y, topk_idx, topk_weights))
-        hook = self._low_latency_hook(ll, s, "combine", lambda: launch(PHASE_RECV), async_finish, y) \
-            if return_recv_hook else None
+        # The receive half reads topk_idx and topk_weights (by address): the hook holds them until it runs.
+        hook = self._low_latency_hook(ll, s, "combine", lambda: launch(PHASE_RECV), async_finish,
+                                      (y, topk_idx, topk_weights)) if return_recv_hook else None
         if out is not None:
             result_x = out
         elif direct:
