@@ -23,6 +23,7 @@ def _check(results: list[dict], n: int) -> None:
         assert "not divisible" in refused["not_divisible"], refused
         assert "differ" in refused["differs_across_ranks"], refused
         assert "x must be bfloat16" in refused["wrong_dtype"], refused
+        assert "too large for low-latency mode" in refused["too_many_for_shared_memory"], refused
         assert "receive hook that has not run" in refused["set_reused"], refused
         assert "call its hook() first" in refused["combine_before_hook"], refused
         assert "hook already ran" in refused["hook_twice"], refused
