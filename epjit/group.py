@@ -532,6 +532,9 @@ def _mpi_transport(comm: Any, environ: Mapping[str, str], timeout: float | None)
     return _MpiTransport(MPI, dup, timeout), placement, base
 
 
+_ABORT_GRACE_S = 0.5
+
+
 def _abort_job_on_uncaught_exception(mpi: Any) -> None:
     """What ``python -m mpi4py`` does: a rank dying of an exception aborts the whole job. Without it the rank
     blocks in MPI_Finalize at exit and every other rank waits for it forever."""
@@ -543,6 +546,9 @@ def _abort_job_on_uncaught_exception(mpi: Any) -> None:
         previous(exc_type, exc, tb)
         sys.stderr.flush()
         sys.stdout.flush()
+        # mpiexec forwards each rank's output through a pipe and stops reading once the job aborts: give it a
+        # moment to pass the traceback on (without it the last lines, the error itself, were sometimes lost).
+        time.sleep(_ABORT_GRACE_S)
         mpi.COMM_WORLD.Abort(1)
 
     hook.epjit_aborts = True  # type: ignore[attr-defined]
