@@ -615,8 +615,14 @@ def empty(framework: str, shape: tuple[int, ...], dtype: str, device: int) -> An
     if framework == "cupy":
         cupy = _import_cupy()
         with cupy.cuda.Device(device):
-            return cupy.empty(shape, dtype=np.uint8 if dtype in _KDL_FLOAT8 else _numpy_dtype(dtype))
+            return cupy.empty(shape, dtype=cupy_dtype(dtype))
     raise ArgumentError(with_rank(f"empty() allocates torch or CuPy arrays, not {framework!r}"))
+
+
+def cupy_dtype(name: str) -> Any:
+    """The NumPy dtype a CuPy array of :data:`DTYPES`' `name` is stored as: FP8 as uint8 (CuPy has no float8),
+    bfloat16 from ml_dtypes."""
+    return np.uint8 if name in _KDL_FLOAT8 else _numpy_dtype(name)
 
 
 def _numpy_dtype(name: str) -> Any:

@@ -134,13 +134,6 @@ def _bf16() -> Any:
     return ml_dtypes.bfloat16
 
 
-def _cupy_dtype(name: str) -> Any:
-    """The CuPy dtype holding arrays.DTYPES' `name` (FP8 as uint8 storage, bfloat16 from ml_dtypes)."""
-    if name == "float8_e4m3fn":
-        return np.uint8
-    return _bf16() if name == "bfloat16" else np.dtype(name)
-
-
 # Configs and the NVLink bytes they need, computed once per distinct argument set (they sit on every call's path).
 @functools.lru_cache(maxsize=16)
 def _default_config(kind: str, num_ranks: int) -> Config:
@@ -1115,7 +1108,7 @@ class Buffer:
             outs = self._torch_outputs(*specs)
         else:
             with self.comm_stream:
-                outs = tuple(None if spec is None else self._empty(spec[0], _cupy_dtype(spec[1]))
+                outs = tuple(None if spec is None else self._empty(spec[0], arrays.cupy_dtype(spec[1]))
                              for spec in specs)
         recv_x, recv_scales, src_info, topk_slot, layout_range, recv_count = outs
         shared = dispatch_shared_bytes(hidden, num_tokens, num_topk)

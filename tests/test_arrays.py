@@ -494,3 +494,11 @@ def test_jax_cpu_arrays():
 
     with pytest.raises(ArgumentTypeError, match="y is a JAX tracer"):
         traced(x)
+
+
+def test_cupy_storage_dtypes():
+    import ml_dtypes
+
+    assert arrays.cupy_dtype("float8_e4m3fn") == np.uint8  # CuPy has no float8: FP8 travels as bytes
+    assert arrays.cupy_dtype("bfloat16") == ml_dtypes.bfloat16
+    assert arrays.cupy_dtype("int64") == np.int64
