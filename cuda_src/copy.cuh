@@ -2,6 +2,7 @@
 #pragma once
 
 #include "ptx.cuh"
+#include "wait.cuh"
 
 namespace epjit {
 
@@ -30,6 +31,57 @@ __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int
 __device__ __forceinline__ void warp_copy_peer_written(int4* dst, const int4* src, int n, int lane) {
     warp_copy_with<8>(dst, src, n, lane, [](const int4* p) { return ptx::ld_volatile_global_v4(p); });
 }
+
+// One thread's pipeline of bulk (TMA) copies through kStages shared-memory stages: push(dst, src, bytes) loads
+// src into the next stage and, once kStages - kStoreLag loads are in flight, stores the oldest landed stage to
+// its dst. A stage is refilled only after the store from it has read it (wait_group.read<kStoreLag>), so up to
+// kStages - kStoreLag loads and kStoreLag stores are in flight at once, with no registers holding the bytes.
+// flush() stores what is left and waits until every store is done. dst, src and bytes are 16-byte multiples.
+template <int kStages, int kStoreLag>
+struct BulkCopier {
+    static_assert(kStoreLag >= 0 && kStoreLag < kStages, "the lag must leave a stage to load into");
+    char* stages;      // kStages x stage_bytes of shared memory
+    uint64_t* bars;    // kStages mbarriers in shared memory, initialised by init()
+    int stage_bytes;
+    const PeersTable* peers;  // for the timeout report of a load that never lands
+    void* dst[kStages];
+    int bytes[kStages];
+    int loaded = 0, stored = 0;
+
+    __device__ BulkCopier(char* stages_, uint64_t* bars_, int stage_bytes_, const PeersTable* peers_)
+        : stages(stages_), bars(bars_), stage_bytes(stage_bytes_), peers(peers_) {
+        for (int s = 0; s < kStages; ++s) ptx::mbarrier_init_shared_cta_b64(bars + s, 1);
+        ptx::fence_mbarrier_init_release_cluster();
+    }
+
+    __device__ void push(void* to, const void* from, int n) {
+        if (loaded - stored == kStages - kStoreLag) store_oldest();
+        const int s = loaded % kStages;
+        if (loaded >= kStages) ptx::cp_async_bulk_wait_group_read<kStoreLag>();  // stage s's last store has read it
+        dst[s] = to, bytes[s] = n;
+        ptx::mbarrier_arrive_expect_tx_shared_cta_b64(bars + s, n);
+        ptx::cp_async_bulk_shared_global_mbarrier(stages + static_cast<int64_t>(s) * stage_bytes, from, n, bars + s);
+        ++loaded;
+    }
+
+    __device__ void store_oldest() {
+        const int s = stored % kStages, parity = (stored / kStages) & 1;
+        timeout_while(peers, WaitSite{"bulk copy: a load into shared memory to land", -1, -1, parity},
+                      [&](int64_t& seen) {
+                          const bool landed = ptx::mbarrier_try_wait_parity_shared_cta_b64(bars + s, parity);
+                          seen = landed;
+                          return !landed;
+                      });
+        ptx::cp_async_bulk_global_shared_bulk_group(dst[s], stages + static_cast<int64_t>(s) * stage_bytes, bytes[s]);
+        ptx::cp_async_bulk_commit_group();
+        ++stored;
+    }
+
+    __device__ void flush() {
+        while (stored < loaded) store_oldest();
+        ptx::cp_async_bulk_wait_group<0>();
+    }
+};
 
 __device__ __forceinline__ float ld_volatile_f32(const float* p) {
     return __int_as_float(ptx::ld_volatile_s32(reinterpret_cast<const int*>(p)));

@@ -3,16 +3,22 @@
 //   notify     block 0: write my counts into every peer's buffer and zero my queues' control words, barrier,
 //              then build rank_prefix_matrix and what the host needs; blocks 1..R build channel_prefix_matrix
 //              (tokens of each channel bound for each destination, prefix-summed over channels).
-//   dispatch   2 blocks a channel: even = sender, odd = receiver. A sender's warps are split among destination
-//              ranks; they push the channel's tokens for that rank through ring (channel, me) in the destination's
-//              buffer, chunk by chunk, publishing the tail. A receiver's warps are split among source ranks; they
-//              copy each ring into recv_x at the rows rank_prefix_matrix and the channel's start offset give, and
-//              publish the head. send_head[t][r] records the ring index token t took towards r (or, as -(i)-1,
-//              the index the next token towards r will take): combine's receipts.
-//   combine    the same rings in the other direction: the rank holding expert outputs sends each received row
-//              back to its source in received order, so it lands at the index send_head recorded; the source
-//              sums, for each token, the rows its receipts point at. A coordinator warp moves each ring's head to
-//              the slowest reader.
+//   dispatch   one block a channel, its warps in groups (DispatchRoles): for each other rank a sending group
+//              pushes the channel's tokens for that rank through ring (channel, me) in its buffer, chunk by chunk,
+//              publishing the tail, and a draining group copies ring (channel, that rank) of my buffer into recv_x
+//              at the rows rank_prefix_matrix and the channel's start offset give, publishing the head; one more
+//              group copies my own tokens from x. send_head[t][r] records the ring index token t took towards r
+//              (or, as -(i)-1, the index the next token towards r will take): combine's receipts.
+//   combine    the same rings in the other direction (CombineRoles): sending groups return each received row to
+//              its source in received order, so it lands at the index send_head recorded; reader warps sum, for
+//              each token of the channel, the rows its receipts point at; a coordinator warp moves each ring's
+//              head to the slowest reader.
+//
+// Why every block does every job: an SM copies at most ~47 GB/s whether the bytes go to a peer over NVLink or
+// stay in this GPU (`python -m epjit.bench --modes ceiling`, 2 x H200), so the SMs are the budget, and dispatch
+// spends them on R - 1 rings out, R - 1 rings in and the own copy. Blocks specialised as senders or receivers
+// (DeepEP's layout) leave one kind idle while the other finishes; one block a channel doing all three keeps the
+// bytes per SM equal whatever the rank count.
 //
 // Memory ordering (every pair): sender data stores -> bar.sync of the rank group -> st.release.sys of the tail by
 // one thread; receiver ld.acquire.sys of the tail -> bar.sync -> data loads. Receiver loads -> bar.sync ->
@@ -22,6 +28,7 @@
 #include "copy.cuh"
 #include "intranode.cuh"
 #include "ptx.cuh"
+#include "timeline.cuh"
 #include "wait.cuh"
 
 namespace epjit {
@@ -33,6 +40,16 @@ constexpr int kStatusLayoutTooBig = 4;   // some rank's layout does not fit its 
 constexpr int kStatusInvalidIds = 8;     // some rank's topk_idx has entries outside [-1, num_experts)
 constexpr int kMetaLayoutTooBig = 1 << 30;
 constexpr int kMetaInvalidIds = 1 << 29;
+
+// EPJIT_PROFILE (timeline.cuh): the points dispatch and combine blocks stamp (epjit/kernels/intranode.py mirrors
+// them). Points several warp groups reach are stamped by each; the latest counts.
+enum IntranodePoint {
+    kNormalAtStart = 0,      // the block began
+    kNormalAtOwnCopied = 1,  // dispatch receiver: this rank's own rows copied from x
+    kNormalAtFirstTail = 2,  // receiver: a ring's first tail seen (dispatch) / a reader's first token reduced
+    kNormalAtSent = 3,       // sender: the final tail published towards every peer
+    kNormalAtReceived = 4,   // receiver: every ring drained (dispatch) / every token reduced (combine)
+};
 
 __device__ __forceinline__ void channel_range(int num_tokens, int num_channels, int channel, int& begin, int& end) {
     const int per = (num_tokens + num_channels - 1) / num_channels;
@@ -57,30 +74,65 @@ __device__ __forceinline__ void wait_for_ring_room(const PeersTable* peers, cons
     __syncwarp();
 }
 
-// Which peer rank each warp of a dispatch/combine block serves, as groups of warps (named barrier group + 1).
-//   sender blocks:   every warp serves another rank (NVLink stores need warps for the bytes they keep in flight);
-//                    warps left over by the division idle.
-//   receiver blocks: warps split evenly among all ranks: the others' rings and, for this rank, its own tokens
-//                    straight from x (all local copies, so each rank's share of rows is the right weight).
-template <int kNumRanks, int kNumWarps, bool kSender>
-struct WarpRoles {
-    static constexpr int kGroups = kSender ? kNumRanks - 1 : kNumRanks;
-    static constexpr int kPerGroup = kGroups > 0 ? kNumWarps / kGroups : 0;
-    static_assert(kGroups == 0 || kPerGroup >= 1, "too few warps for this many ranks");
-    int group;          // -1: idle
-    int peer;           // the nvl rank served
+// The warp groups of a dispatch block (named barrier group + 1). On uniform routing every group moves about the
+// same bytes (one source's or one destination's share of the channel), so each gets the same warps; warps left
+// over by the division idle.
+template <int kNumRanks, int kNumWarps>
+struct DispatchRoles {
+    enum Role { kSend, kDrain, kOwn, kIdle };
+    static constexpr int kGroups = 2 * (kNumRanks - 1) + 1;  // send to and drain each other rank, own copy
+    static constexpr int kPerGroup = kNumWarps / kGroups;
+    static_assert(kPerGroup >= 1, "too few warps for this many ranks");
+    static_assert(kGroups <= 15, "named barriers 1..15 name the groups");
+    Role role;
+    int group;          // named barrier group + 1
+    int peer;           // the nvl rank served (mine for the own copy)
     int warp_in_group;
 
-    __device__ WarpRoles(int warp, int me) {
-        group = kPerGroup > 0 && warp < kPerGroup * kGroups ? warp / kPerGroup : -1;
-        warp_in_group = kPerGroup > 0 ? warp % kPerGroup : 0;
-        peer = kSender ? (me + 1 + group) % kNumRanks : group;
+    __device__ DispatchRoles(int warp, int me) {
+        group = warp / kPerGroup;
+        warp_in_group = warp % kPerGroup;
+        if (group < kNumRanks - 1) {
+            role = kSend, peer = (me + 1 + group) % kNumRanks;
+        } else if (group < 2 * (kNumRanks - 1)) {
+            role = kDrain, peer = (me + 1 + group - (kNumRanks - 1)) % kNumRanks;
+        } else {
+            role = group == kGroups - 1 ? kOwn : kIdle, peer = me;
+        }
     }
-    __device__ bool idle() const { return group < 0; }
     __device__ void sync() const { ptx::bar_sync(group + 1, kPerGroup * 32); }
 };
 
-// Host-mapped ints notify fills (host_out), read by the host after it synchronises the stream:
+// The warps of a combine block: sending groups first (one per other rank, named barrier group + 1), then the
+// coordinator, then the readers. A reader reads R rows and writes one for every row a sender copies, so readers
+// get the larger share: send warps ~ 2(R-1) / (2(R-1) + R + 1) of the block (copies count a read and a write).
+template <int kNumRanks, int kNumWarps>
+struct CombineRoles {
+    enum Role { kSend, kCoordinator, kRead };
+    static constexpr int kSendPerPeer =
+        kNumRanks == 1 ? 0 : kNumWarps * 2 * (kNumRanks - 1) / (3 * kNumRanks - 1) / (kNumRanks - 1);
+    static constexpr int kSendWarps = kSendPerPeer * (kNumRanks - 1);
+    static constexpr int kNumReaders = kNumWarps - kSendWarps - 1;
+    static_assert(kNumRanks == 1 || kSendPerPeer >= 1, "too few warps for this many ranks");
+    static_assert(kNumReaders >= 1, "too few warps for the readers");
+    Role role;
+    int group;          // sending group (named barrier group + 1)
+    int peer;           // the nvl rank a sending group serves
+    int warp_in_group;  // in the sending group, or the reader index
+
+    __device__ CombineRoles(int warp, int me) {
+        if (warp < kSendWarps) {
+            role = kSend, group = warp / kSendPerPeer, warp_in_group = warp % kSendPerPeer;
+            peer = (me + 1 + group) % kNumRanks;
+        } else {
+            role = warp == kSendWarps ? kCoordinator : kRead, group = -1, peer = me;
+            warp_in_group = warp - kSendWarps - 1;
+        }
+    }
+    __device__ void sync() const { ptx::bar_sync(group + 1, kSendPerPeer * 32); }
+};
+
+// Host-mapped ints notify fills (host_out), read by the host once [0] is no longer -1 (written last):
 //   [0] rows this rank receives   [1] status bits   [2, 2+4R) every rank's meta   [2+4R, 2+5R) rows each rank
 //   receives   [2+5R, 2+5R+L) rows per local expert, rounded up to expert_alignment
 template <int kNumRanks>
@@ -178,7 +230,9 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
     if (t == 0) {
         *device_status = status;
         host_out[1] = status;
-        host_out[0] = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + me];
+        // Last, with a system-scope release: the host spins on this word (it starts at -1), and seeing it proves
+        // every other host_out field landed (they were written before the __syncthreads above).
+        ptx::st_release_sys_s32(host_out, rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + me]);
     }
 }
 
@@ -189,19 +243,20 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
                    const int* rank_prefix_matrix, const int* device_status, int4* recv_x, float* recv_x_scales,
                    int* recv_src_idx, int64_t* recv_topk_idx, float* recv_topk_weights, int* recv_channel_offset,
                    int* send_head, int num_tokens, int hidden, int x_row_int4, int num_scales, int num_topk,
-                   int num_experts, int num_channels, int num_slots, int num_max_send_tokens, int num_worst_tokens) {
+                   int num_experts, int num_channels, int num_slots, int num_max_send_tokens, int num_worst_tokens,
+                   uint64_t* timeline) {
     constexpr int kNumWarps = kNumThreads / 32;
     if (*device_status != 0) return;
+    timeline_mark(timeline, kNormalAtStart);
 
+    using Roles = DispatchRoles<kNumRanks, kNumWarps>;
     const int me = peers->nvl_rank;
-    const int channel = static_cast<int>(blockIdx.x) / 2;
-    const bool is_sender = blockIdx.x % 2 == 0;
+    const int channel = static_cast<int>(blockIdx.x);
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-    const WarpRoles<kNumRanks, kNumWarps, true> send_roles(warp, me);
-    const WarpRoles<kNumRanks, kNumWarps, false> recv_roles(warp, me);
-    const int peer = is_sender ? send_roles.peer : recv_roles.peer;
-    const int warp_in_rank = is_sender ? send_roles.warp_in_group : recv_roles.warp_in_group;
-    const int group_warps = is_sender ? send_roles.kPerGroup : recv_roles.kPerGroup;
+    const Roles roles(warp, me);
+    const int peer = roles.peer;
+    const int warp_in_rank = roles.warp_in_group;
+    constexpr int group_warps = Roles::kPerGroup;
     const int group_thread = warp_in_rank * 32 + lane;
     const int peer_rank = peers->rank - me + peer;
     const int num_local_experts = num_experts / kNumRanks;
@@ -209,7 +264,7 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
     int begin, end;
     channel_range(num_tokens, num_channels, channel, begin, end);
 
-    if (!is_sender && !recv_roles.idle() && peer == me) {
+    if (roles.role == Roles::kOwn) {
         // My own tokens go straight from x to recv_x: their rows follow the other ranks' as for any source.
         const int64_t row0 = (me > 0 ? rank_prefix_matrix[(me - 1) * kNumRanks + me] : 0) +
                              (channel > 0 ? channel_prefix_matrix[me * num_channels + channel - 1] : 0);
@@ -235,10 +290,11 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
             }
             ++n;
         }
+        roles.sync();
+        if (group_thread == 0) timeline_mark_latest(timeline, kNormalAtOwnCopied);
     }
 
-    if (is_sender && send_roles.idle()) return;
-    if (is_sender) {
+    if (roles.role == Roles::kSend) {
         const IntranodeLayout dst(nvl_ptr(peers, peer, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
                                   num_topk, num_scales, 0);
         const int q = dst.queue(channel, me);
@@ -274,15 +330,14 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
                 ++tail;
                 ++chunk;
             }
-            send_roles.sync();
+            roles.sync();
             if (group_thread == 0) ptx::st_release_sys_s32(dst.dispatch_tail(q), tail);
         }
-        return;
+        if (group_thread == 0) timeline_mark_latest(timeline, kNormalAtSent);
     }
 
-    // Receiver: my warps of group `peer` drain the ring that rank `peer` fills for this channel (my own rows
-    // were copied above).
-    if (!recv_roles.idle() && peer != me) {
+    // Draining group: copy the ring that rank `peer` fills for this channel into recv_x.
+    if (roles.role == Roles::kDrain) {
         const IntranodeLayout mine(nvl_ptr(peers, me, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
                                    num_topk, num_scales, 0);
         const int q = mine.queue(channel, peer);
@@ -302,7 +357,7 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
             s_start[peer] = -start - 1;
             s_count[peer] = (-finish - 1) - (-start - 1);
         }
-        recv_roles.sync();
+        roles.sync();
         const int count = s_count[peer];
         const int64_t row0 = (peer > 0 ? rank_prefix_matrix[(peer - 1) * kNumRanks + me] : 0) + s_start[peer];
         if (group_thread == 0) recv_channel_offset[peer * num_channels + channel] = static_cast<int>(row0);
@@ -316,8 +371,9 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
                                   return tail == head;
                               });
                 s_tail[peer] = tail;
+                if (head == 0) timeline_mark_latest(timeline, kNormalAtFirstTail);
             }
-            recv_roles.sync();
+            roles.sync();
             const int tail = s_tail[peer];
             for (int i = head + warp_in_rank; i < tail; i += group_warps) {
                 const int slot = i % num_slots;
@@ -333,18 +389,18 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
                     recv_x_scales[row * num_scales + s] = ld_volatile_f32(mine.scales_slot(q, slot) + s);
             }
             // Every warp of the group has read slots [head, tail) before the sender may reuse them.
-            recv_roles.sync();
+            roles.sync();
             head = tail;
             if (group_thread == 0) ptx::st_release_sys_s32(mine.dispatch_head(q), head);
         }
+        if (group_thread == 0) timeline_mark_latest(timeline, kNormalAtReceived);
     }
 
     // Worst-token mode: rows past what arrived are padding, with no expert and no weight.
     if (num_worst_tokens > 0) {
         const int total = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + me];
-        const int receivers = static_cast<int>(gridDim.x) / 2;
         for (int64_t row = total + static_cast<int64_t>(channel) * kNumThreads + threadIdx.x; row < num_worst_tokens;
-             row += static_cast<int64_t>(receivers) * kNumThreads) {
+             row += static_cast<int64_t>(gridDim.x) * kNumThreads) {
             recv_src_idx[row] = -1;
             for (int k = 0; k < num_topk && recv_topk_idx != nullptr; ++k) {
                 recv_topk_idx[row * num_topk + k] = -1;
@@ -369,20 +425,27 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_weights, const int4* bias0,
                   const int4* bias1, const int* rank_prefix_matrix, const int* recv_channel_offset,
                   const int* send_head, int4* out_x, float* out_topk_weights, int num_tokens, int hidden,
-                  int num_topk, int num_channels, int num_slots, int num_max_send_tokens) {
+                  int num_topk, int num_channels, int num_slots, int num_max_send_tokens, uint64_t* timeline) {
     constexpr int kNumWarps = kNumThreads / 32;
+    timeline_mark(timeline, kNormalAtStart);
+    using Roles = CombineRoles<kNumRanks, kNumWarps>;
+    constexpr int kNumReaders = Roles::kNumReaders;
     const int me = peers->nvl_rank;
-    const int channel = static_cast<int>(blockIdx.x) / 2;
-    const bool is_sender = blockIdx.x % 2 == 0;
+    const int channel = static_cast<int>(blockIdx.x);
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
     const int row_int4 = hidden / 8;
+    const Roles roles(warp, me);
+    __shared__ volatile int progress[kNumReaders][kNumRanks];  // next ring index reader i needs from rank r
+    __shared__ volatile int retired[kNumReaders];
+    for (int i = threadIdx.x; i < kNumReaders * kNumRanks; i += kNumThreads)
+        progress[i / kNumRanks][i % kNumRanks] = 0;
+    if (threadIdx.x < kNumReaders) retired[threadIdx.x] = 0;
+    __syncthreads();
 
-    if (is_sender) {
+    if (roles.role == Roles::kSend) {
         // Rows rank `peer` sent me on this channel, in the order they arrived: they go back in that order, so
         // the k-th lands at ring index k, which is what peer's send_head recorded. My own rows need no trip:
-        // my receiver block reads them from y.
-        const WarpRoles<kNumRanks, kNumWarps, true> roles(warp, me);
-        if (roles.idle()) return;
+        // my readers take them from y.
         const int peer = roles.peer, warp_in_rank = roles.warp_in_group;
         const int group_thread = warp_in_rank * 32 + lane;
         const int peer_rank = peers->rank - me + peer;
@@ -397,7 +460,7 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
             wait_for_ring_room(peers, "intranode_combine sender: ring space (head)", dst.combine_head(q), tail, head,
                                num_slots, num_max_send_tokens, peer_rank, channel, lane);
             for (int chunk = 0; chunk < num_max_send_tokens && row < last; ++chunk, ++row, ++tail) {
-                if (chunk % roles.kPerGroup != warp_in_rank) continue;
+                if (chunk % Roles::kSendPerPeer != warp_in_rank) continue;
                 const int slot = tail % num_slots;
                 warp_copy(dst.x_slot(q, slot), y + static_cast<int64_t>(row) * row_int4, row_int4, lane);
                 if (y_topk_weights != nullptr && lane < num_topk)
@@ -406,28 +469,24 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
             roles.sync();
             if (group_thread == 0) ptx::st_release_sys_s32(dst.combine_tail(q), tail);
         }
+        if (group_thread == 0) timeline_mark_latest(timeline, kNormalAtSent);
         return;
     }
 
-    // Receiver: warp 0 coordinates the heads, warps 1.. reduce tokens begin + w - 1, step kNumWarps - 1.
+    // The coordinator moves the heads; reader i reduces tokens begin + i, step kNumReaders.
     const int my_first = recv_channel_offset[me * num_channels + channel];  // first row of my own in y
     const IntranodeLayout mine(nvl_ptr(peers, me, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
                                num_topk, 0, 0);
-    __shared__ volatile int progress[kNumWarps][kNumRanks];  // next ring index reader w needs from rank r
-    __shared__ volatile int retired[kNumWarps];
-    for (int i = threadIdx.x; i < kNumWarps * kNumRanks; i += kNumThreads) progress[i / kNumRanks][i % kNumRanks] = 0;
-    if (threadIdx.x < kNumWarps) retired[threadIdx.x] = 0;
-    __syncthreads();
     int begin, end;
     channel_range(num_tokens, num_channels, channel, begin, end);
 
-    if (warp == 0) {
+    if (roles.role == Roles::kCoordinator) {
         int last = 0;
         timeout_while(peers, WaitSite{"intranode_combine coordinator: readers to finish", -1, channel, 0},
                       [&](int64_t& seen) {
                           bool done = true;
                           int low = 0x7fffffff;
-                          for (int w = 1; w < kNumWarps; ++w) {
+                          for (int w = 0; w < kNumReaders; ++w) {
                               if (retired[w]) continue;
                               done = false;
                               if (lane < kNumRanks) low = min(low, progress[w][lane]);
@@ -442,7 +501,8 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
         return;
     }
 
-    for (int t = begin + warp - 1; t < end; t += kNumWarps - 1) {
+    const int reader = roles.warp_in_group;
+    for (int t = begin + reader; t < end; t += kNumReaders) {
         const int expected = lane < kNumRanks ? send_head[static_cast<int64_t>(t) * kNumRanks + lane] : -1;
         if (lane < kNumRanks && lane != me && expected >= 0) {  // my own rows are in y already
             timeout_while(peers, WaitSite{"intranode_combine reader: ring tail", peers->rank - me + lane, channel,
@@ -503,10 +563,14 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
             out_topk_weights[static_cast<int64_t>(t) * num_topk + lane] = w;
         }
         __syncwarp();
-        if (lane < kNumRanks) progress[warp][lane] = expected >= 0 ? expected + 1 : -expected - 1;
+        if (lane < kNumRanks) progress[reader][lane] = expected >= 0 ? expected + 1 : -expected - 1;
+        if (lane == 0 && t == begin + reader) timeline_mark_latest(timeline, kNormalAtFirstTail);
     }
     __syncwarp();
-    if (lane == 0) retired[warp] = 1;
+    if (lane == 0) {
+        retired[reader] = 1;
+        timeline_mark_latest(timeline, kNormalAtReceived);
+    }
 }
 
 }  // namespace epjit

@@ -33,6 +33,7 @@
 #include "low_latency.cuh"
 #include "nvshmem.cuh"
 #include "ptx.cuh"
+#include "timeline.cuh"
 #include "wait.cuh"
 
 namespace epjit {
@@ -53,9 +54,7 @@ constexpr int kLowLatencySlotOverflow = 2;  // > M top-k slots of one rank name 
 constexpr int kLowLatencyMetaMismatch = 4;  // a message with another hidden size or FP8 setting arrived
 constexpr int kLowLatencyLayoutTooBig = 8;  // the two sets do not fit the heap (host and header disagree): no-op
 
-// EPJIT_PROFILE: thread 0 of each block stamps %globaltimer at fixed points of a call into timeline[block][slot]
-// (a null timeline, the default, costs one branch). The host reports when each point was reached, per block.
-constexpr int kTimelineSlots = 8;
+// EPJIT_PROFILE (timeline.cuh): the points a low-latency kernel stamps (epjit/kernels/low_latency.py mirrors them).
 enum TimelinePoint {
     kAtStart = 0,      // the block began
     kAtAcks = 1,       // every rank had read this set's previous call
@@ -65,10 +64,6 @@ enum TimelinePoint {
     kAtReceived = 5,   // dispatch: this block's received rows copied; combine: its tokens reduced
     kAtEnd = 6,        // every warp of the block finished
 };
-
-__device__ __forceinline__ void timeline_mark(uint64_t* timeline, TimelinePoint point) {
-    if (timeline != nullptr && threadIdx.x == 0) timeline[blockIdx.x * kTimelineSlots + point] = ptx::globaltimer_ns();
-}
 
 // What every message carries so a receiver can tell a peer called with other sizes (only the wire format counts).
 __device__ __forceinline__ int message_meta(int hidden, int flags) { return (hidden << 1) | (flags & kFlagFp8); }

@@ -117,6 +117,53 @@ __device__ __forceinline__ void bar_sync(int id, int num_threads) {
     asm volatile("bar.sync %0, %1;" : : "r"(id), "r"(num_threads) : "memory");
 }
 
+/// Bulk asynchronous copies (TMA) and their shared-memory barriers
+// A bulk load (global -> shared) completes on an mbarrier: the issuing thread declares the bytes it expects
+// (arrive.expect_tx), the copy engine counts them down, and a wait on the barrier's phase parity returns when they
+// have all landed. A bulk store (shared -> global) joins the thread's current bulk group; wait_group.read<N>
+// returns once at most N groups still read their shared source (the buffer may then be refilled), wait_group<N>
+// once their writes are done. Addresses in shared memory are 32-bit shared-window offsets (smem_addr).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbarrier_init_shared_cta_b64(uint64_t* bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" : : "r"(smem_addr(bar)), "r"(count) : "memory");
+}
+// Makes initialised mbarriers visible to the copy engine (the async proxy) before any bulk copy names them.
+__device__ __forceinline__ void fence_mbarrier_init_release_cluster() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive_expect_tx_shared_cta_b64(uint64_t* bar, int bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" : : "r"(smem_addr(bar)), "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ bool mbarrier_try_wait_parity_shared_cta_b64(uint64_t* bar, int parity) {
+    uint32_t done;
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.b32 %0, 1, 0, p;\n}"
+                 : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    return done != 0;
+}
+__device__ __forceinline__ void cp_async_bulk_shared_global_mbarrier(void* smem_dst, const void* src, int bytes,
+                                                                     uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 : : "r"(smem_addr(smem_dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void cp_async_bulk_global_shared_bulk_group(void* dst, const void* smem_src, int bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 : : "l"(dst), "r"(smem_addr(smem_src)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_bulk_commit_group() {
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_bulk_wait_group_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" : : "n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_bulk_wait_group() {
+    asm volatile("cp.async.bulk.wait_group %0;" : : "n"(N) : "memory");
+}
+
 /// Conversions
 // Two floats to two e4m3 bytes, round to nearest even, saturating to +-448 (`satfinite`): `hi` lands in the upper
 // byte. sm_89 and later.

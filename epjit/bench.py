@@ -140,15 +140,78 @@ def run(args: argparse.Namespace) -> list[Row]:
     dist.init_process_group("nccl", init_method=f"tcp://{group.hosts[0]}:{port}", rank=group.rank,
                             world_size=group.size, device_id=torch.device("cuda", group.device))
     rows: list[Row] = []
-    normal_modes = [m for m in args.modes if not m.startswith("ll-")]
+    normal_modes = [m for m in args.modes if not m.startswith("ll-") and m != "ceiling"]
     ll_modes = [m for m in args.modes if m.startswith("ll-")]
     try:
+        if "ceiling" in args.modes:
+            rows += _bench_ceiling(group, args)
         if ll_modes:
             rows += _bench_low_latency(group, dist, args, ll_modes)
         if normal_modes:
             rows += _bench_normal(group, dist, args, normal_modes)
     finally:
         dist.destroy_process_group()
+    return rows
+
+
+_CEILING_BYTES = 64 << 20  # per destination: ~0.2 ms at NVLink speed, far above launch and skew
+_CEILING_STAGES = 8  # kCeilingStages of cuda_src/ceiling.cu
+
+
+def _bench_ceiling(group: Any, args: argparse.Namespace) -> list[Row]:
+    """What copies from local memory reach by SM count: towards one peer's NVLink buffer ("peer"), towards every
+    peer at once with the SMs split among them ("peers"), and within this GPU ("local"). Each with the normal-mode
+    kernels' warp_copy (768 threads a block, or 1024) and with bulk (TMA) copies driven by one thread a warp
+    through 8 shared-memory stages of 7 KiB (4 warps a block, or 2). The kernels are measured against these."""
+    import cupy
+    import torch
+
+    import epjit
+
+    from . import jit
+    from .kernels import NUM_THREADS, CopyCeilingSpec
+
+    r, me = group.size, group.rank
+    n = _CEILING_BYTES
+    buf = epjit.Buffer(group, num_nvl_bytes=r * n)
+    module = jit.load(CopyCeilingSpec(), group.device)
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    num_sms = torch.cuda.get_device_properties(group.device).multi_processor_count
+    patterns = {"local": 1 << me}
+    if r > 1:
+        patterns["peer"] = 1 << ((me + 1) % r)
+    if r > 2:
+        patterns["peers"] = ((1 << r) - 1) & ~(1 << me)
+    stage = 7168
+    variants = {"": ("copy_ceiling", NUM_THREADS, 0), "-1024": ("copy_ceiling", 1024, 0),
+                "-bulk4": ("copy_ceiling_bulk", 128, 4), "-bulk2": ("copy_ceiling_bulk", 64, 2)}
+    rows: list[Row] = []
+    try:
+        for pattern, mask in patterns.items():
+            dsts = bin(mask).count("1")
+            for suffix, (kernel, threads, warps) in variants.items():
+                for sms in sorted({*args.ceiling_sms, num_sms}):
+                    blocks = max(dsts, min(sms, num_sms) // dsts * dsts)
+                    if warps:
+                        shared = warps * _CEILING_STAGES * (stage + 8)
+                        launch_args: tuple[Any, ...] = (src.data_ptr(), n, stage)
+                    else:
+                        shared, launch_args = 0, (src.data_ptr(), n // 16)
+
+                    def copy(kernel: str = kernel, blocks: int = blocks, threads: int = threads, mask: int = mask,
+                             launch_args: tuple[Any, ...] = launch_args, shared: int = shared) -> None:
+                        module.launch(kernel, blocks, threads, buf.mem.table_ptr, mask, *launch_args,
+                                      shared_mem=shared, stream=stream)
+
+                    t = max(group.allgather_object(_median_us(copy, group, args.repeat)))
+                    gbs = round(dsts * n / (t * 1e-6) / 1e9, 1)
+                    rows.append(Row(f"ceil-{pattern}{suffix}", 0, 0, 0, 0, blocks, r, round(t, 1), None, gbs, gbs,
+                                    None, None, round(100 * gbs / PLAIN_STORE_CEILING_GBS, 1)))
+                    if me == 0:
+                        _print_row(rows[-1])
+    finally:
+        buf.close()
     return rows
 
 
@@ -416,7 +479,7 @@ def _bench_case(buf: Any, group: Any, dist: Any, mode: str, tokens: int, hidden:
                round(nccl_us / t_epjit, 2) if nccl_us else None, round(100 * out_gbs / PLAIN_STORE_CEILING_GBS, 1))
 
 
-_HEADER = (f"{'mode':<13} {'tokens':>6} {'hidden':>6} {'sms':>3} {'R':>2} {'epjit us':>9} {'out GB/s':>8} "
+_HEADER = (f"{'mode':<16} {'tokens':>6} {'hidden':>6} {'sms':>3} {'R':>2} {'epjit us':>9} {'out GB/s':>8} "
            f"{'DeepEP GB/s':>11} {'NCCL us':>8} {'NCCL GB/s':>9} {'NCCL/epjit':>10} {'% NVLink':>8}")
 
 
@@ -424,7 +487,7 @@ def _print_row(row: Row) -> None:
     if not getattr(_print_row, "header", False):
         print(_HEADER)
         _print_row.header = True  # type: ignore[attr-defined]
-    print(f"{row.mode:<13} {row.tokens:>6} {row.hidden:>6} {row.sms:>3} {row.ranks:>2} {row.epjit_us:>9.1f} "
+    print(f"{row.mode:<16} {row.tokens:>6} {row.hidden:>6} {row.sms:>3} {row.ranks:>2} {row.epjit_us:>9.1f} "
           f"{row.out_gbs:>8.1f} {row.deepep_gbs:>11.1f} {row.nccl_us or float('nan'):>8.1f} "
           f"{row.nccl_out_gbs or float('nan'):>9.1f} {row.ratio or float('nan'):>10.2f} {row.pct_nvlink:>8.1f}",
           flush=True)
@@ -441,9 +504,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-send", type=int, default=0, help="tokens between tail updates (0: the default)")
     parser.add_argument("--chunk-recv", type=int, default=256)
     parser.add_argument("--modes", nargs="+", default=["dispatch", "dispatch-fp8", "combine"],
-                        choices=["dispatch", "dispatch-fp8", "combine", "ll-dispatch", "ll-combine", "ll-hook"],
+                        choices=["dispatch", "dispatch-fp8", "combine", "ll-dispatch", "ll-combine", "ll-hook",
+                                 "ceiling"],
                         help="normal mode: dispatch, dispatch-fp8, combine; low latency (CUDA-graph replays): "
-                             "ll-dispatch (FP8), ll-combine, ll-hook (send and receive halves of each)")
+                             "ll-dispatch (FP8), ll-combine, ll-hook (send and receive halves of each); ceiling: "
+                             "plain warp copies to one peer, to every peer and locally, by SMs (--ceiling-sms)")
+    parser.add_argument("--ceiling-sms", type=int, nargs="+", default=[4, 8, 12, 16, 24, 32],
+                        help="SM counts of the ceiling mode (all SMs are always added)")
     parser.add_argument("--ll-tokens", type=int, nargs="+", default=[128],
                         help="tokens per rank of the low-latency cases (the buffer holds the largest)")
     parser.add_argument("--repeat", type=int, default=30)

@@ -24,12 +24,14 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from . import arrays, jit
-from .config import Config, get_combine_config, get_dispatch_config, normal_size_hint
+from .config import MAX_CHANNELS, Config, get_combine_config, get_dispatch_config, normal_size_hint
 from .env import settings
 from .errors import ArgumentError, ArgumentTypeError, EpjitError, SetupError, with_rank
 from .group import Group
 from .kernels import IntranodeNotifySpec, IntranodeSpec, LayoutSpec
+from .kernels.foundation import TIMELINE_SLOTS
 from .kernels.intranode import NUM_THREADS, intranode_min_nvl_bytes
+from .kernels.intranode import TIMELINE_POINTS as NORMAL_TIMELINE_POINTS
 from .kernels.low_latency import (
     FLAG_FP8,
     FLAG_ROUND_SCALE,
@@ -44,12 +46,11 @@ from .kernels.low_latency import (
     STATUS_META_MISMATCH,
     STATUS_SLOT_OVERFLOW,
     SYNC_BYTES,
-    TIMELINE_POINTS,
-    TIMELINE_SLOTS,
     LowLatencySpec,
     dispatch_shared_bytes,
     low_latency_size_hint,
 )
+from .kernels.low_latency import TIMELINE_POINTS as LL_TIMELINE_POINTS
 from .memory import MappedHostArray, PeerMemory
 
 # Bits of the notify status (cuda_src/intranode.cu) and of the meta flags each rank announces.
@@ -57,7 +58,6 @@ _STATUS_META_MISMATCH, _STATUS_WORST_TOO_SMALL, _STATUS_LAYOUT_TOO_BIG, _STATUS_
 _META_INVALID_IDS, _META_LAYOUT_TOO_BIG = 1 << 29, 1 << 30
 _FLAG_FP8, _FLAG_WEIGHTS, _FLAG_TOPK = 1, 2, 4
 _META_NAMES = ("hidden", "num_experts", "num_topk", "flags")
-_MAX_CHANNELS = 64  # what every Buffer reserves control words for (num_sms <= 128)
 _POISON_BYTE = 0x7F  # NaN in bf16 pairs (0x7F7F), NaN in e4m3, a huge int: never a plausible value
 
 
@@ -158,11 +158,22 @@ class _Profile:
         self.marks: list[tuple[str, float, Any]] = []
         self._events: list[Any] = []  # reused call after call (creating an event costs microseconds)
         self._used = 0
+        # per kernel launched: its name, the point names of its enum and its per-block stamps (timeline.cuh)
+        self.timelines: list[tuple[str, tuple[str, ...], Any]] = []
 
     def start(self) -> None:
         if self.enabled:
             self.marks = [("start", time.perf_counter(), None)]
             self._used = 0
+            self.timelines = []
+
+    def timeline(self, name: str, num_blocks: int, points: tuple[str, ...]) -> int:
+        """The address of zeroed stamps for one kernel launch of num_blocks blocks, or 0 (no stamps) when off."""
+        if not self.enabled:
+            return 0
+        stamps = _cupy().zeros(num_blocks * TIMELINE_SLOTS, dtype=np.uint64)
+        self.timelines.append((name, points, stamps))
+        return stamps.data.ptr
 
     def mark(self, name: str, stream: Any = None) -> None:
         if self.enabled:
@@ -190,6 +201,16 @@ class _Profile:
                 if last_event is not None:
                     out[f"gpu:{name}"] = round(_cupy().cuda.get_elapsed_time(last_event, event) * 1e3, 1)
                 last_event = event
+        # Each kernel's points in microseconds from its first block's start: median and latest block (a block
+        # that never reached a point is left out).
+        for name, points, timeline in self.timelines:
+            stamps = timeline.get().reshape(-1, TIMELINE_SLOTS).astype(np.int64)
+            t0 = stamps[:, 0][stamps[:, 0] > 0].min(initial=np.iinfo(np.int64).max)
+            for i, point in enumerate(points):
+                reached = stamps[:, i][stamps[:, i] > 0]
+                if len(reached):
+                    out[f"{name}:{point}:med"] = round(float(np.median(reached) - t0) / 1e3, 1)
+                    out[f"{name}:{point}:max"] = round(float(reached.max() - t0) / 1e3, 1)
         return out
 
 
@@ -329,7 +350,6 @@ class _LowLatencyState:
         self.next_set = 0
         self.pending: list[str | None] = [None, None]  # per set: which call's hook has not run yet
         self.combine_buffers: list[Any] = [None, None]  # get_next_low_latency_combine_buffer, per set
-        self.timelines: list[tuple[str, Any]] = []  # EPJIT_PROFILE: per-block stamps of the last call's kernels
         props = cupy.cuda.runtime.getDeviceProperties(buffer.group.device)
         env = settings()
         self.num_sms = min(int(props["multiProcessorCount"]), env.ll_num_sms or _LL_MAX_SMS)
@@ -369,7 +389,7 @@ class Buffer:
                 raise SetupError(with_rank(
                     f"normal mode across NVLink nodes is not available yet ({group.size} ranks in nodes of "
                     f"{group.num_nvl_ranks}): use one NVLink node (num_nvl_ranks = size)"))
-            minimum = intranode_min_nvl_bytes(group.size, _MAX_CHANNELS)
+            minimum = intranode_min_nvl_bytes(group.size, MAX_CHANNELS)
             if num_nvl_bytes < minimum:
                 raise ArgumentError(with_rank(
                     f"num_nvl_bytes={num_nvl_bytes} is below the {minimum} bytes of control words every call "
@@ -410,25 +430,7 @@ class Buffer:
         Low-latency calls report, for each kernel they launched, when its blocks reached each point of
         cuda_src/low_latency.cu's TimelinePoint: ``<kernel>:<point>:med`` / ``:max`` in microseconds from the first
         block's start (a block that never reached a point is left out)."""
-        out = self._profile.report()
-        if self._ll is not None:
-            for name, timeline in self._ll.timelines:
-                stamps = timeline.get().reshape(-1, TIMELINE_SLOTS).astype(np.int64)
-                t0 = stamps[:, 0].min()
-                for i, point in enumerate(TIMELINE_POINTS):
-                    reached = stamps[:, i][stamps[:, i] > 0]
-                    if len(reached):
-                        out[f"{name}:{point}:med"] = round(float(np.median(reached) - t0) / 1e3, 1)
-                        out[f"{name}:{point}:max"] = round(float(reached.max() - t0) / 1e3, 1)
-        return out
-
-    def _ll_timeline(self, ll: _LowLatencyState, name: str) -> int:
-        """The address of a zeroed stamp array for one low-latency kernel when profiling, else 0 (no stamps)."""
-        if not self._profile.enabled:
-            return 0
-        timeline = _cupy().zeros(ll.num_sms * TIMELINE_SLOTS, dtype=np.uint64)
-        ll.timelines.append((name, timeline))
-        return timeline.data.ptr
+        return self._profile.report()
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
@@ -457,7 +459,7 @@ class Buffer:
                              config: Config | None = None) -> int:
         """num_nvl_bytes for normal-mode dispatch and combine of these sizes with the default (or given) config."""
         return max(normal_size_hint(num_ranks, hidden, num_topk, num_experts, config),
-                   intranode_min_nvl_bytes(num_ranks, _MAX_CHANNELS))
+                   intranode_min_nvl_bytes(num_ranks, MAX_CHANNELS))
 
     # ------------------------------------------------------------------------------------------------ helpers
 
@@ -544,6 +546,29 @@ class Buffer:
     def _sync(self) -> None:
         """Wait for the communication stream; a kernel timeout becomes EpjitTimeoutError."""
         self.mem.synchronize(self.comm_stream)
+
+    def _wait_for_counts(self, host: MappedHostArray) -> None:
+        """Wait until notify has filled host_out: spin on its first word, which notify writes last with a
+        system-scope release (it starts at -1). The host sees the counts a few microseconds after they exist,
+        where a stream synchronisation wakes it tens of microseconds later. Every 256 polls the stream is
+        queried (cudaStreamQuery itself: CuPy's Stream.done reads an error as "not done"), so a kernel error or a
+        timeout trap, after which the word never comes, raises as _sync would."""
+        from cuda.bindings import runtime as cudart
+
+        ints = host.view(np.int32)
+        stream_ptr = self.comm_stream.ptr
+        polls = 0
+        while ints[0] < 0:
+            polls += 1
+            if polls % 256 == 0:
+                err = cudart.cudaStreamQuery(stream_ptr)[0]
+                if err == cudart.cudaError_t.cudaErrorNotReady:
+                    continue
+                if ints[0] >= 0:
+                    break
+                if err == cudart.cudaError_t.cudaSuccess:
+                    raise EpjitError(with_rank("notify finished without publishing its counts"))
+                self.mem.raise_for(EpjitError(with_rank(f"cudaStreamQuery: {err.name}")))
 
     def _empty(self, shape: tuple[int, ...], dtype: Any) -> Any:
         cupy = _cupy()
@@ -754,9 +779,9 @@ class Buffer:
             num_channels = handle.num_channels
             if config is not None and config.num_channels != num_channels:
                 raise ArgumentError(with_rank(f"config.num_sms={config.num_sms} but the handle was made with "
-                                              f"{2 * num_channels} SMs"))
+                                              f"{num_channels} SMs"))
             config = config or _default_config("dispatch", self.num_ranks)
-            config = _channels_config(2 * num_channels, config.nvl_chunk_send, config.nvl_chunk_recv)
+            config = _channels_config(num_channels, config.nvl_chunk_send, config.nvl_chunk_recv)
         else:
             config = config or _default_config("dispatch", self.num_ranks)
             if not isinstance(config, Config):
@@ -813,10 +838,13 @@ class Buffer:
                 num_worst_tokens, int(handle is not None), invalid, rank_prefix.data.ptr, channel_prefix.data.ptr,
                 host.device_ptr, status, stream=comm)
             profile.mark("notify", comm)
+            # What does not depend on the counts is allocated while notify runs.
+            recv_channel_offset = cupy.empty((r, num_channels), dtype=cupy.int32)
+            send_head = cupy.empty((num_tokens, r), dtype=cupy.int32)
             if num_worst_tokens > 0:
                 num_rows, num_recv, per_expert_counts = num_worst_tokens, -1, []
             else:
-                self._sync()
+                self._wait_for_counts(host)
                 self._check_status(host, 0)
                 ints = host.view(np.int32)
                 num_recv = int(ints[0])
@@ -843,16 +871,15 @@ class Buffer:
                         self._empty((num_rows, num_topk), cupy.int64) if idx_arg is not None else None,
                         self._empty((num_rows, num_topk), cupy.float32) if w_arg is not None else None)
             recv_src = self._empty((num_rows,), cupy.int32)
-            recv_channel_offset = cupy.empty((r, num_channels), dtype=cupy.int32)
-            send_head = cupy.empty((num_tokens, r), dtype=cupy.int32)
             profile.mark("allocated", comm)
             self._main_module.launch(
-                "intranode_dispatch", 2 * num_channels, NUM_THREADS, table, x_arg, scales_arg,
+                "intranode_dispatch", num_channels, NUM_THREADS, table, x_arg, scales_arg,
                 0 if idx_arg is None else idx_arg, 0 if w_arg is None else w_arg, in_rank, channel_prefix.data.ptr,
                 rank_prefix.data.ptr, status, _address(outs[0]), _address(outs[1]), recv_src.data.ptr,
                 _address(outs[2]), _address(outs[3]), recv_channel_offset.data.ptr, send_head.data.ptr, num_tokens,
                 hidden, hidden * (1 if fp8 else 2) // 16, num_scales, num_topk, num_experts_, num_channels,
-                config.nvl_chunk_recv, config.nvl_chunk_send, num_worst_tokens, stream=comm)
+                config.nvl_chunk_recv, config.nvl_chunk_send, num_worst_tokens,
+                profile.timeline("dispatch", num_channels, NORMAL_TIMELINE_POINTS), stream=comm)
             profile.mark("dispatch", comm)
         event = self._finish(caller, async_finish)
         if num_worst_tokens > 0 and not _capturing():
@@ -912,8 +939,8 @@ class Buffer:
         base = config or _default_config("combine", self.num_ranks)
         if config is not None and config.num_channels != handle.num_channels:
             raise ArgumentError(with_rank(f"config.num_sms={config.num_sms} but combine replays the dispatch's "
-                                          f"{2 * handle.num_channels} SMs"))
-        config = _channels_config(2 * handle.num_channels, base.nvl_chunk_send, base.nvl_chunk_recv)
+                                          f"{handle.num_channels} SMs"))
+        config = _channels_config(handle.num_channels, base.nvl_chunk_send, base.nvl_chunk_recv)
         need = _nvl_need(config, self.num_ranks, handle.hidden, handle.num_topk, 0, False)
         if need > self.num_nvl_bytes:
             raise ArgumentError(with_rank(f"this combine needs {need} bytes of NVLink buffer but the Buffer has "
@@ -937,11 +964,12 @@ class Buffer:
         self._notify_module.launch("intranode_combine_prepare", 1, 128, table, handle.num_channels, stream=comm)
         profile.mark("prepare", comm)
         self._main_module.launch(
-            "intranode_combine", 2 * handle.num_channels, NUM_THREADS, table, y_arg, 0 if w_arg is None else w_arg,
+            "intranode_combine", handle.num_channels, NUM_THREADS, table, y_arg, 0 if w_arg is None else w_arg,
             biases[0] if biases else 0, biases[1] if len(biases) > 1 else 0, handle.rank_prefix_matrix.data.ptr,
             handle.recv_channel_offset.data.ptr, handle.send_head.data.ptr, _address(out), _address(out_w),
             handle.num_tokens, handle.hidden, handle.num_topk, handle.num_channels, config.nvl_chunk_recv,
-            config.nvl_chunk_send, stream=comm)
+            config.nvl_chunk_send, profile.timeline("combine", handle.num_channels, NORMAL_TIMELINE_POINTS),
+            stream=comm)
         profile.mark("combine", comm)
         event = self._finish(caller, async_finish)
         if direct:
@@ -1092,7 +1120,7 @@ class Buffer:
                                           "cumulative_local_expert_recv_stats")
         x_arg, idx_arg = arrays.kernel_arg(x, x_info, "x"), arrays.kernel_arg(topk_idx, k_info, "topk_idx")
         s = self._low_latency_set(ll, "dispatch")
-        ll.timelines = []
+        self._profile.timelines = []
         rows = r * m
         num_scales = hidden // 128
         flags = (FLAG_FP8 if use_fp8 else 0) | (FLAG_ROUND_SCALE if round_scale else 0) | \
@@ -1117,7 +1145,8 @@ class Buffer:
             ll.module.launch(
                 "ll_dispatch", ll.num_sms, LOW_LATENCY_THREADS, self.mem.table_ptr, x_arg, idx_arg, num_tokens,
                 num_topk, hidden, e, m, s, phases, flags, ll.force_puts, ll.sync_ptr, ll.host_status.device_ptr,
-                *map(_address, outs), stats_arg, self._ll_timeline(ll, "ll_dispatch" + _PHASE_SUFFIX[phases]),
+                *map(_address, outs), stats_arg,
+                self._profile.timeline("ll_dispatch" + _PHASE_SUFFIX[phases], ll.num_sms, LL_TIMELINE_POINTS),
                 shared_mem=shared, stream=self.comm_stream)
 
         launch(PHASE_SEND if return_recv_hook else PHASE_SEND | PHASE_RECV)
@@ -1203,7 +1232,7 @@ class Buffer:
         fw = y_info.framework
         direct = fw == "torch"  # torch output from torch's allocator (see _torch_outputs)
         s = self._low_latency_set(ll, "combine")
-        ll.timelines = []
+        self._profile.timelines = []
         caller = self._begin(None)
         if out is None:
             if direct:
@@ -1218,7 +1247,8 @@ class Buffer:
                 _address(handle.src_info_dev), _address(handle.topk_slot), _address(handle.layout_range_dev),
                 idx_arg, w_arg, _arg_address(out_arg), num_tokens, handle.num_topk, hidden, e, m, s, phases,
                 ll.force_puts, ll.sync_ptr, ll.host_status.device_ptr,
-                self._ll_timeline(ll, "ll_combine" + _PHASE_SUFFIX[phases]), stream=self.comm_stream)
+                self._profile.timeline("ll_combine" + _PHASE_SUFFIX[phases], ll.num_sms, LL_TIMELINE_POINTS),
+                stream=self.comm_stream)
 
         launch(PHASE_SEND if return_recv_hook else PHASE_SEND | PHASE_RECV)
         event = self._finish(caller, async_finish)

@@ -10,14 +10,17 @@ from dataclasses import dataclass
 from .errors import ArgumentError, with_rank
 from .kernels.intranode import NUM_THREADS, intranode_nvl_bytes
 
-# Reader warps of a combine receiver block (one of the block's warps coordinates): a ring must hold a whole chunk
-# beyond the rows those readers may be waiting on at once, or the sender could wait for room that never frees.
+MAX_CHANNELS = 128  # every Buffer reserves control words for this many channels
+
+# At most this many reader warps of a combine block (one warp coordinates, the others read or send): a ring must
+# hold a whole chunk beyond the rows those readers may be waiting on at once, or the sender could wait for room
+# that never frees.
 COMBINE_READERS = NUM_THREADS // 32 - 1
 
 
 @dataclass(frozen=True)
 class Config:
-    """SMs (two per channel: a sender and a receiver block) and chunk sizes in tokens.
+    """SMs (one block a channel: each sends, receives and copies its share) and chunk sizes in tokens.
 
     nvl_chunk_send: tokens a sender pushes between tail updates; nvl_chunk_recv: ring slots per (channel, rank).
     rdma_chunk_*: for the internode kernels (unused inside one NVLink node).
@@ -30,9 +33,9 @@ class Config:
     rdma_chunk_recv: int = 128
 
     def __post_init__(self) -> None:
-        if self.num_sms < 2 or self.num_sms % 2:
-            raise ArgumentError(with_rank(f"Config.num_sms={self.num_sms} must be an even number >= 2 "
-                                          "(each channel takes a sender and a receiver SM)"))
+        if not 1 <= self.num_sms <= MAX_CHANNELS:
+            raise ArgumentError(with_rank(f"Config.num_sms={self.num_sms} must be in [1, {MAX_CHANNELS}] "
+                                          "(one block a channel)"))
         if self.nvl_chunk_send < 1:
             raise ArgumentError(with_rank(f"Config.nvl_chunk_send={self.nvl_chunk_send} must be >= 1"))
         if self.nvl_chunk_recv < self.nvl_chunk_send + COMBINE_READERS:
@@ -43,7 +46,7 @@ class Config:
 
     @property
     def num_channels(self) -> int:
-        return self.num_sms // 2
+        return self.num_sms
 
     def nvl_bytes(self, num_ranks: int, hidden: int, num_topk: int, num_experts: int, fp8: bool) -> int:
         """Bytes of NVLink buffer payload a normal-mode call with these sizes needs."""
@@ -51,20 +54,32 @@ class Config:
                                    hidden // 128 if fp8 else 0, num_experts // num_ranks)
 
 
-def _warps_per_peer(num_ranks: int) -> int:
-    """Warps a sender block gives each other rank (cuda_src/intranode.cu: WarpRoles<..., true>::kPerGroup)."""
-    return max(1, NUM_THREADS // 32 // max(1, num_ranks - 1))
+def dispatch_send_warps(num_ranks: int) -> int:
+    """Warps a dispatch block gives the tokens bound for each other rank (intranode.cu: DispatchRoles::kPerGroup)."""
+    return NUM_THREADS // 32 // (2 * (num_ranks - 1) + 1)
+
+
+def combine_send_warps(num_ranks: int) -> int:
+    """Warps a combine block gives the rows returning to each other rank (intranode.cu: CombineRoles::kSendPerPeer)."""
+    if num_ranks == 1:
+        return 0
+    return NUM_THREADS // 32 * 2 * (num_ranks - 1) // (3 * num_ranks - 1) // (num_ranks - 1)
+
+
+def _chunk(send_warps: int) -> int:
+    # Two tokens a sending warp between tail updates keep every warp busy; at least 12, because each tail update
+    # is a system-scope release (~2.5 us with nothing outstanding) that a chunk must outweigh.
+    return max(12, 2 * send_warps)
 
 
 def get_dispatch_config(num_ranks: int) -> Config:
-    """Defaults for dispatch, by rank count. A sender's warps for one rank copy a chunk's tokens one each, so a
-    chunk of two tokens per warp keeps them all busy between tail updates (first measured on 2 x H200)."""
-    return Config(24, 2 * _warps_per_peer(num_ranks), 256)
+    """Defaults for dispatch, by rank count: 24 channels (one SM each), chunks by the warps sending to a rank."""
+    return Config(24, _chunk(dispatch_send_warps(num_ranks)), 256)
 
 
 def get_combine_config(num_ranks: int) -> Config:
     """Defaults for combine, by rank count: the same channels as dispatch (combine replays its channels)."""
-    return Config(24, 2 * _warps_per_peer(num_ranks), 256)
+    return Config(24, _chunk(combine_send_warps(num_ranks)), 256)
 
 
 def normal_size_hint(num_ranks: int, hidden: int, num_topk: int = 8, num_experts: int = 256,

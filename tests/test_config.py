@@ -7,25 +7,48 @@ import re
 import pytest
 
 from epjit import ArgumentError, Config
-from epjit.config import COMBINE_READERS, get_combine_config, get_dispatch_config, normal_size_hint
+from epjit.config import (
+    COMBINE_READERS,
+    combine_send_warps,
+    dispatch_send_warps,
+    get_combine_config,
+    get_dispatch_config,
+    normal_size_hint,
+)
 from epjit.jit.toolchain import CUDA_SRC
-from epjit.kernels.intranode import intranode_min_nvl_bytes, intranode_nvl_bytes
+from epjit.kernels.intranode import NUM_THREADS, intranode_min_nvl_bytes, intranode_nvl_bytes
 
 
 def test_config_rejects_what_would_deadlock_or_not_launch():
-    with pytest.raises(ArgumentError, match="even number"):
-        Config(num_sms=23)
+    with pytest.raises(ArgumentError, match=r"num_sms=0 must be in \[1, 128\]"):
+        Config(num_sms=0)
+    with pytest.raises(ArgumentError, match=r"num_sms=129 must be in \[1, 128\]"):
+        Config(num_sms=129)
     with pytest.raises(ArgumentError, match="nvl_chunk_send=0"):
         Config(nvl_chunk_send=0)
     with pytest.raises(ArgumentError, match=rf"nvl_chunk_recv=20 must be >= nvl_chunk_send \+ {COMBINE_READERS}"):
         Config(24, 6, 20)
-    assert Config(24, 6, 6 + COMBINE_READERS).num_channels == 12
+    assert Config(23, 6, 6 + COMBINE_READERS).num_channels == 23  # one block a channel, any count
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 def test_defaults_are_valid_and_share_channels(ranks):
     d, c = get_dispatch_config(ranks), get_combine_config(ranks)
     assert d.num_sms <= 24 and d.num_channels == c.num_channels
+
+
+def test_warp_roles_mirror_the_kernel():
+    """The host's sending-warp counts (which size the default chunks) follow DispatchRoles / CombineRoles: every
+    dispatch group gets the same warps, and combine's senders and readers together fill the block."""
+    warps = NUM_THREADS // 32
+    assert [dispatch_send_warps(r) for r in (1, 2, 4, 8)] == [24, 8, 3, 1]
+    assert [combine_send_warps(r) for r in (1, 2, 4, 8)] == [0, 9, 4, 2]
+    for r in (2, 4, 8):
+        assert (2 * (r - 1) + 1) * dispatch_send_warps(r) <= warps
+        assert (r - 1) * combine_send_warps(r) + 1 < warps  # a coordinator and at least one reader remain
+    source = (CUDA_SRC / "intranode.cu").read_text()
+    assert "kGroups = 2 * (kNumRanks - 1) + 1" in source
+    assert "kNumWarps * 2 * (kNumRanks - 1) / (3 * kNumRanks - 1) / (kNumRanks - 1)" in source
 
 
 def test_buffer_for_4096x7168_default_config_is_at_most_1_gib():

@@ -1,5 +1,5 @@
-"""Specs of the foundation kernels: the NVLink barrier (+ its exchange self-check), the NVSHMEM self-check and the
-wall-clock spin the benchmark starts from."""
+"""Specs of the foundation kernels: the NVLink barrier (+ its exchange self-check), the NVSHMEM self-check, and the
+wall-clock spin and copy ceilings of the benchmark."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ..jit.spec import KernelSpec
 
 PEERS = ("peers", "const PeersTable*")
+TIMELINE_SLOTS = 8  # kTimelineSlots of cuda_src/timeline.cuh: EPJIT_PROFILE stamps per block
 
 
 @dataclass(frozen=True)
@@ -47,3 +48,15 @@ class SpinSpec(KernelSpec):
 
     SOURCE = "clock.cu"
     KERNELS = {"spin_for_ns": (("ns", "uint64_t"),)}
+
+
+@dataclass(frozen=True)
+class CopyCeilingSpec(KernelSpec):
+    """cuda_src/ceiling.cu: warp copies into the NVLink buffers of chosen ranks (the benchmark's ceilings)."""
+
+    SOURCE = "ceiling.cu"
+    KERNELS = {
+        "copy_ceiling": (PEERS, ("dst_mask", "int"), ("src", "const int4*"), ("n_int4", "int64_t")),
+        "copy_ceiling_bulk": (PEERS, ("dst_mask", "int"), ("src", "const char*"), ("n_bytes", "int64_t"),
+                              ("stage_bytes", "int")),
+    }

@@ -9,6 +9,8 @@ from ..jit.spec import KernelSpec
 
 PEERS = ("peers", "const PeersTable*")
 NUM_THREADS = 768  # 24 warps a block: splits evenly among 1, 2, 3, 4, 6 and 8 ranks
+# EPJIT_PROFILE: enum IntranodePoint of cuda_src/intranode.cu, in order (stamps per block, timeline.cuh)
+TIMELINE_POINTS = ("start", "own_copied", "first_tail", "sent", "received")
 
 
 @dataclass(frozen=True)
@@ -58,18 +60,20 @@ class IntranodeSpec(KernelSpec):
             ("recv_channel_offset", "int*"), ("send_head", "int*"), ("num_tokens", "int"), ("hidden", "int"),
             ("x_row_int4", "int"), ("num_scales", "int"), ("num_topk", "int"), ("num_experts", "int"),
             ("num_channels", "int"), ("num_slots", "int"), ("num_max_send_tokens", "int"),
-            ("num_worst_tokens", "int")),
+            ("num_worst_tokens", "int"), ("timeline", "uint64_t*")),
         "intranode_combine": (
             PEERS, ("y", "const int4*"), ("y_topk_weights", "const float*"), ("bias0", "const int4*"),
             ("bias1", "const int4*"), ("rank_prefix_matrix", "const int*"), ("recv_channel_offset", "const int*"),
             ("send_head", "const int*"), ("out_x", "int4*"), ("out_topk_weights", "float*"), ("num_tokens", "int"),
             ("hidden", "int"), ("num_topk", "int"), ("num_channels", "int"), ("num_slots", "int"),
-            ("num_max_send_tokens", "int")),
+            ("num_max_send_tokens", "int"), ("timeline", "uint64_t*")),
     }
 
     def __post_init__(self) -> None:
-        if (self.num_threads // 32) % self.num_ranks:
-            raise ValueError(f"{self.num_threads // 32} warps do not split among {self.num_ranks} ranks")
+        groups = 2 * (self.num_ranks - 1) + 1  # DispatchRoles: send to and drain each other rank, own copy
+        if self.num_threads // 32 < groups or groups > 15:
+            raise ValueError(f"{self.num_threads // 32} warps cannot form the {groups} dispatch groups of "
+                             f"{self.num_ranks} ranks (one warp and one named barrier each, 15 barriers)")
 
 
 def _align128(n: int) -> int:

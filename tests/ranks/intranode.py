@@ -21,6 +21,7 @@ import torch
 
 import epjit
 from epjit import reference
+from epjit.config import COMBINE_READERS
 
 BF16 = ml_dtypes.bfloat16
 os.environ.setdefault("EPJIT_POISON_OUTPUTS", "1")  # a row the kernel forgets must not read as plausible zeros
@@ -85,6 +86,7 @@ def run_case(
     worst: int = 0,
     replay: bool = False,
     bias: bool = False,
+    sms: int = 0,
 ) -> dict:
     xs, idxs, ws = make_inputs(seed, counts, hidden, topk, num_experts, holes)
     scales = None
@@ -107,8 +109,16 @@ def run_case(
     same("num_tokens_per_expert", to_numpy(layout.num_tokens_per_expert), ref_layout.num_tokens_per_expert)
     same("is_token_in_rank", to_numpy(layout.is_token_in_rank), ref_layout.is_token_in_rank)
 
+    # sms > 0: a non-default channel count with small chunks and rings, so every ring wraps many times.
+    config = epjit.Config(sms, 3, 3 + COMBINE_READERS) if sms else None
     d = buf.dispatch(
-        x_arg, topk_idx=idx_t, topk_weights=w_t, layout=layout, expert_alignment=alignment, num_worst_tokens=worst
+        x_arg,
+        topk_idx=idx_t,
+        topk_weights=w_t,
+        layout=layout,
+        expert_alignment=alignment,
+        num_worst_tokens=worst,
+        config=config,
     )
     if replay:  # the same routing again from the handle, no layout pass
         d = buf.dispatch(x_arg, topk_idx=idx_t, topk_weights=w_t, handle=d.handle)
@@ -148,7 +158,8 @@ def run_case(
             for n in counts
         ]
         bias_t = (to_torch(biases[rank][0]), to_torch(biases[rank][1]))
-    c = buf.combine(to_torch(y_local), d.handle, topk_weights=d.topk_weights, bias=bias_t)
+    c = buf.combine(to_torch(y_local), d.handle, topk_weights=d.topk_weights, bias=bias_t,
+                    config=epjit.Config(sms, 3, 3 + COMBINE_READERS) if sms else None)
     c_ref = reference.combine(ys, [h.handle for h in ref], topk_weights=[h.topk_weights for h in ref], bias=biases)
     same("combined_x", to_numpy(c.x), c_ref[rank].x)
     same("combined_topk_weights", to_numpy(c.topk_weights), c_ref[rank].topk_weights)
@@ -211,6 +222,8 @@ def main() -> int:
             ),
             dict(counts=[200] * R, hidden=2048, topk=4, num_experts=64, fp8=False, holes=0.3, replay=True),
             dict(counts=[150] * R, hidden=4096, topk=8, num_experts=256, fp8=True, holes=0.2, worst=150 * R),
+            dict(counts=[1000, 333] + [77] * (R - 2), hidden=2048, topk=8, num_experts=64, fp8=False, holes=0.2,
+                 sms=5),
         ]
         if args.quick:
             cases = cases[::3] + cases[-6:]

@@ -1,0 +1,25 @@
+// EPJIT_PROFILE: per-block %globaltimer stamps at named points of a kernel, into timeline[block][point]. Each
+// kernel family names its points in an enum (the host mirrors it); a null timeline, the default, costs one branch.
+// The host reports, per point, the median and the latest block (epjit/buffer.py: _Profile.report).
+#pragma once
+
+#include "ptx.cuh"
+
+namespace epjit {
+
+constexpr int kTimelineSlots = 8;
+
+// The latest moment any caller of this block reached `point`: several warp groups of a block may each mark it
+// (the max says when the last of them got there).
+__device__ __forceinline__ void timeline_mark_latest(uint64_t* timeline, int point) {
+    if (timeline != nullptr)
+        atomicMax(reinterpret_cast<unsigned long long*>(timeline + blockIdx.x * kTimelineSlots + point),
+                  static_cast<unsigned long long>(ptx::globaltimer_ns()));
+}
+
+// Thread 0's moment (points every thread of the block passes together).
+__device__ __forceinline__ void timeline_mark(uint64_t* timeline, int point) {
+    if (threadIdx.x == 0) timeline_mark_latest(timeline, point);
+}
+
+}  // namespace epjit
