@@ -50,6 +50,12 @@ enum IntranodePoint {
     kNormalAtSent = 3,       // sender: the final tail published towards every peer
     kNormalAtReceived = 4,   // receiver: every ring drained (dispatch) / every token reduced (combine)
 };
+enum NotifyPoint {
+    kNotifyAtStart = 0,     // the block began
+    kNotifyAtWritten = 1,   // block 0: counts and meta written into every peer's buffer
+    kNotifyAtBarrier = 2,   // block 0: every peer's too (the barrier passed)
+    kNotifyAtEnd = 3,       // the block's results written (block 0: the host's counts published)
+};
 
 __device__ __forceinline__ void channel_range(int num_tokens, int num_channels, int channel, int& begin, int& end) {
     const int per = (num_tokens + num_channels - 1) / num_channels;
@@ -141,27 +147,41 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
                                  int num_channels, int num_slots, int hidden, int num_topk, int num_scales,
                                  int num_experts, int flags, int expert_alignment, int num_worst_tokens, int cached,
                                  const int* invalid_ids, int* rank_prefix_matrix, int* channel_prefix_matrix,
-                                 int* host_out, int* device_status) {
+                                 int* host_out, int* device_status, uint64_t* timeline) {
     const int me = peers->nvl_rank;
     const int t = static_cast<int>(threadIdx.x);
     const int num_local_experts = num_experts / kNumRanks;
+    timeline_mark(timeline, kNotifyAtStart);
     if (blockIdx.x > 0) {
         if (cached) return;  // a cached handle brings its channel_prefix_matrix
         const int dst = static_cast<int>(blockIdx.x) - 1;
         const int warp = t / 32, lane = t % 32, num_warps = static_cast<int>(blockDim.x) / 32;
+        __shared__ int s_counts[kMaxChannels];
         for (int c = warp; c < num_channels; c += num_warps) {
             int begin, end;
             channel_range(num_tokens, num_channels, c, begin, end);
             int count = 0;
             for (int i = begin + lane; i < end; i += 32)
                 count += is_token_in_rank[static_cast<int64_t>(i) * kNumRanks + dst] ? 1 : 0;
-            for (int o = 16; o > 0; o >>= 1) count += __shfl_xor_sync(0xffffffffu, count, o);
-            if (lane == 0) channel_prefix_matrix[dst * num_channels + c] = count;
+            count = warp_sum(count);
+            if (lane == 0) s_counts[c] = count;
         }
         __syncthreads();
-        if (t == 0)
-            for (int c = 1; c < num_channels; ++c)
-                channel_prefix_matrix[dst * num_channels + c] += channel_prefix_matrix[dst * num_channels + c - 1];
+        // Prefix sum over channels by one warp, 32 channels a step (a serial loop through global memory, each
+        // add waiting for the store before it, cost ~1 us a channel).
+        if (warp == 0) {
+            int carry = 0;
+            for (int base = 0; base < num_channels; base += 32) {
+                int v = base + lane < num_channels ? s_counts[base + lane] : 0;
+                for (int o = 1; o < 32; o <<= 1) {
+                    const int up = __shfl_up_sync(0xffffffffu, v, o);
+                    if (lane >= o) v += up;
+                }
+                if (base + lane < num_channels) channel_prefix_matrix[dst * num_channels + base + lane] = carry + v;
+                carry += __shfl_sync(0xffffffffu, v, 31);
+            }
+        }
+        timeline_mark(timeline, kNotifyAtEnd);
         return;
     }
 
@@ -177,20 +197,27 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
         // says so then, and every rank stops.
         IntranodeLayout peer(nvl_ptr(peers, t, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
                              num_topk, num_scales, num_local_experts);
-        if (!cached) {
+        if (!cached)
             for (int i = 0; i < kNumRanks; ++i) peer.counts[me * kNumRanks + i] = num_tokens_per_rank[i];
-            if (fits)
-                for (int l = 0; l < num_local_experts; ++l)
-                    peer.expert_counts[me * num_local_experts + l] = num_tokens_per_expert[t * num_local_experts + l];
-        }
         peer.meta[me * 4 + 0] = hidden;
         peer.meta[me * 4 + 1] = num_experts;
         peer.meta[me * 4 + 2] = num_topk;
         const bool invalid = invalid_ids != nullptr && *invalid_ids != 0;
         peer.meta[me * 4 + 3] = flags | (fits ? 0 : kMetaLayoutTooBig) | (invalid ? kMetaInvalidIds : 0);
     }
+    // Per-expert counts by every thread, one (peer, local expert) each (a loop of one thread per peer cost ~8 us).
+    if (!cached && fits)
+        for (int i = t; i < kNumRanks * num_local_experts; i += blockDim.x) {
+            const int peer = i / num_local_experts, l = i % num_local_experts;
+            int32_t* counts = IntranodeLayout(nvl_ptr(peers, peer, kNvlHeaderBytes), kNumRanks, num_channels,
+                                              num_slots, hidden, num_topk, num_scales, num_local_experts)
+                                  .expert_counts;
+            counts[me * num_local_experts + l] = num_tokens_per_expert[i];
+        }
+    timeline_mark(timeline, kNotifyAtWritten);
     // Pairs the count writes above with every peer's reads below (nvl_barrier_block fences and releases).
     nvl_barrier_block<kNumRanks>(peers, "intranode_notify: peer's counts and meta");
+    timeline_mark(timeline, kNotifyAtBarrier);
 
     __shared__ int status;
     if (t == 0) status = 0;
@@ -234,6 +261,7 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
         // every other host_out field landed (they were written before the __syncthreads above).
         ptx::st_release_sys_s32(host_out, rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + me]);
     }
+    timeline_mark(timeline, kNotifyAtEnd);
 }
 
 template <int kNumRanks, int kNumThreads>
@@ -246,7 +274,7 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
                    int num_experts, int num_channels, int num_slots, int num_max_send_tokens, int num_worst_tokens,
                    uint64_t* timeline) {
     constexpr int kNumWarps = kNumThreads / 32;
-    if (*device_status != 0) return;
+    if (*device_status != 0) return;  // notify found a problem: every rank stops here, before any send
     timeline_mark(timeline, kNormalAtStart);
 
     using Roles = DispatchRoles<kNumRanks, kNumWarps>;
@@ -305,10 +333,14 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
             ptx::st_release_sys_s32(dst.finish(q), -finish - 1);
         }
         int tail = 0, head = 0;
-        for (int t = begin; t < end;) {
+        // Chunks start at one token a warp and double up to num_max_send_tokens: the receiver's first tail comes
+        // early (a full first chunk left its drain group idle for ~25 us), later tails come rarely (each is a
+        // system-scope release that waits for the group's stores).
+        int chunk_limit = min(group_warps, num_max_send_tokens);
+        for (int t = begin; t < end; chunk_limit = min(2 * chunk_limit, num_max_send_tokens)) {
             wait_for_ring_room(peers, "intranode_dispatch sender: ring space (head)", dst.dispatch_head(q), tail, head,
                                num_slots, num_max_send_tokens, peer_rank, channel, lane);
-            for (int chunk = 0; chunk < num_max_send_tokens && t < end; ++t) {
+            for (int chunk = 0; chunk < chunk_limit && t < end; ++t) {
                 const bool selected = is_token_in_rank[static_cast<int64_t>(t) * kNumRanks + peer];
                 if (group_thread == 0) send_head[static_cast<int64_t>(t) * kNumRanks + peer] = selected ? tail : -tail - 1;
                 if (!selected) continue;
@@ -456,10 +488,11 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
         const int last = channel + 1 < num_channels ? recv_channel_offset[peer * num_channels + channel + 1]
                                                     : rank_prefix_matrix[peer * kNumRanks + me];
         int tail = 0, head = 0;
-        for (int row = first; row < last;) {
+        int chunk_limit = min(Roles::kSendPerPeer, num_max_send_tokens);  // doubling, as dispatch's senders do
+        for (int row = first; row < last; chunk_limit = min(2 * chunk_limit, num_max_send_tokens)) {
             wait_for_ring_room(peers, "intranode_combine sender: ring space (head)", dst.combine_head(q), tail, head,
                                num_slots, num_max_send_tokens, peer_rank, channel, lane);
-            for (int chunk = 0; chunk < num_max_send_tokens && row < last; ++chunk, ++row, ++tail) {
+            for (int chunk = 0; chunk < chunk_limit && row < last; ++chunk, ++row, ++tail) {
                 if (chunk % Roles::kSendPerPeer != warp_in_rank) continue;
                 const int slot = tail % num_slots;
                 warp_copy(dst.x_slot(q, slot), y + static_cast<int64_t>(row) * row_int4, row_int4, lane);

@@ -26,6 +26,9 @@ namespace epjit {
 
 __host__ __device__ constexpr int64_t align128(int64_t n) { return (n + 127) / 128 * 128; }
 
+// Channels a call may use (epjit/config.py: MAX_CHANNELS): every Buffer reserves control words for this many.
+constexpr int kMaxChannels = 128;
+
 struct IntranodeLayout {
     int32_t* dispatch_ctrl;
     int32_t* combine_ctrl;

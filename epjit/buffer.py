@@ -30,7 +30,7 @@ from .errors import ArgumentError, ArgumentTypeError, EpjitError, SetupError, wi
 from .group import Group
 from .kernels import IntranodeNotifySpec, IntranodeSpec, LayoutSpec
 from .kernels.foundation import TIMELINE_SLOTS
-from .kernels.intranode import NUM_THREADS, intranode_min_nvl_bytes
+from .kernels.intranode import NOTIFY_TIMELINE_POINTS, NUM_THREADS, intranode_min_nvl_bytes
 from .kernels.intranode import TIMELINE_POINTS as NORMAL_TIMELINE_POINTS
 from .kernels.low_latency import (
     FLAG_FP8,
@@ -836,7 +836,7 @@ class Buffer:
                 "intranode_notify", 1 + r, 128, table, per_rank, per_expert, in_rank, num_tokens, num_channels,
                 config.nvl_chunk_recv, hidden, num_topk, num_scales, num_experts_, flags, expert_alignment,
                 num_worst_tokens, int(handle is not None), invalid, rank_prefix.data.ptr, channel_prefix.data.ptr,
-                host.device_ptr, status, stream=comm)
+                host.device_ptr, status, profile.timeline("notify", 1 + r, NOTIFY_TIMELINE_POINTS), stream=comm)
             profile.mark("notify", comm)
             # What does not depend on the counts is allocated while notify runs.
             recv_channel_offset = cupy.empty((r, num_channels), dtype=cupy.int32)

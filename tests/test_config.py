@@ -9,6 +9,7 @@ import pytest
 from epjit import ArgumentError, Config
 from epjit.config import (
     COMBINE_READERS,
+    MAX_CHANNELS,
     combine_send_warps,
     dispatch_send_warps,
     get_combine_config,
@@ -47,6 +48,7 @@ def test_warp_roles_mirror_the_kernel():
         assert (2 * (r - 1) + 1) * dispatch_send_warps(r) <= warps
         assert (r - 1) * combine_send_warps(r) + 1 < warps  # a coordinator and at least one reader remain
     source = (CUDA_SRC / "intranode.cu").read_text()
+    assert f"kMaxChannels = {MAX_CHANNELS};" in (CUDA_SRC / "intranode.cuh").read_text()
     assert "kGroups = 2 * (kNumRanks - 1) + 1" in source
     assert "kNumWarps * 2 * (kNumRanks - 1) / (3 * kNumRanks - 1) / (kNumRanks - 1)" in source
 

@@ -1,6 +1,9 @@
-"""``python -m epjit.jit --check [--arch sm_90] [--force]``: compile and link every kernel module, print the times.
+"""``python -m epjit.jit --check [--arch sm_90] [--force] [--resources]``: compile and link every kernel module,
+print the times.
 
-Needs no GPU: the arch comes from --arch, EPJIT_ARCH or the current device.
+Needs no GPU: the arch comes from --arch, EPJIT_ARCH or the current device. With --resources (needs a GPU) it also
+loads each module and prints every kernel's registers and local memory per thread: local memory in a hot kernel
+means spilled registers (DeepGEMM's ptxas check).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import sys
 import time
 
 from ..errors import EpjitError
-from .compiler import compile_spec, normalize_arch
+from .compiler import CompiledModule, compile_spec, normalize_arch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="compile and link every module")
     parser.add_argument("--arch", help="target, e.g. sm_90 (default: EPJIT_ARCH or the current GPU)")
     parser.add_argument("--force", action="store_true", help="ignore the disk cache (compile everything again)")
+    parser.add_argument("--resources", action="store_true",
+                        help="load each module on the GPU and print registers and local memory per kernel")
     args = parser.parse_args(argv)
     if not args.check:
         parser.print_help()
@@ -46,8 +51,21 @@ def main(argv: list[str] | None = None) -> int:
             continue
         where = "cache" if result.from_cache else "compiled" + (" + linked" if spec.USES_NVSHMEM else "")
         print(f"{spec.family:<48} {arch:<7} {result.seconds:8.2f}  {where}")
+        if args.resources:
+            _print_resources(result)
     print(f"{'total':<48} {arch:<7} {time.perf_counter() - total:8.2f}  {failures} failed")
     return 1 if failures else 0
+
+
+def _print_resources(result: CompiledModule) -> None:
+    import cupy
+
+    raw = cupy.RawModule(path=str(result.cubin_path))  # attributes only: nothing is launched
+    for kernel, symbol in result.lowered_names.items():
+        fn = raw.get_function(symbol)
+        spills = "  SPILLS" if fn.local_size_bytes else ""
+        print(f"    {kernel:<44} {fn.num_regs:>3} registers, {fn.local_size_bytes:>5} B local, "
+              f"{fn.shared_size_bytes:>6} B static shared{spills}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ PEERS = ("peers", "const PeersTable*")
 NUM_THREADS = 768  # 24 warps a block: splits evenly among 1, 2, 3, 4, 6 and 8 ranks
 # EPJIT_PROFILE: enum IntranodePoint of cuda_src/intranode.cu, in order (stamps per block, timeline.cuh)
 TIMELINE_POINTS = ("start", "own_copied", "first_tail", "sent", "received")
+NOTIFY_TIMELINE_POINTS = ("start", "written", "barrier", "end")  # enum NotifyPoint
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,8 @@ class IntranodeNotifySpec(KernelSpec):
                              ("num_experts", "int"), ("flags", "int"), ("expert_alignment", "int"),
                              ("num_worst_tokens", "int"), ("cached", "int"), ("invalid_ids", "const int*"),
                              ("rank_prefix_matrix", "int*"),
-                             ("channel_prefix_matrix", "int*"), ("host_out", "int*"), ("device_status", "int*")),
+                             ("channel_prefix_matrix", "int*"), ("host_out", "int*"), ("device_status", "int*"),
+                             ("timeline", "uint64_t*")),
         "intranode_combine_prepare": (PEERS, ("num_channels", "int")),
     }
 
