@@ -45,10 +45,10 @@ constexpr int kMetaInvalidIds = 1 << 29;
 // them). Points several warp groups reach are stamped by each; the latest counts.
 enum IntranodePoint {
     kNormalAtStart = 0,      // the block began
-    kNormalAtOwnCopied = 1,  // dispatch receiver: this rank's own rows copied from x
-    kNormalAtFirstTail = 2,  // receiver: a ring's first tail seen (dispatch) / a reader's first token reduced
-    kNormalAtSent = 3,       // sender: the final tail published towards every peer
-    kNormalAtReceived = 4,   // receiver: every ring drained (dispatch) / every token reduced (combine)
+    kNormalAtOwnCopied = 1,  // dispatch: the own-copy group has copied this rank's tokens from x
+    kNormalAtFirstTail = 2,  // dispatch: a draining group saw its ring's first tail; combine: a reader's first token
+    kNormalAtSent = 3,       // the sending groups published their final tails
+    kNormalAtReceived = 4,   // dispatch: every ring drained; combine: every token reduced
 };
 enum NotifyPoint {
     kNotifyAtStart = 0,     // the block began

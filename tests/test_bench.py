@@ -21,5 +21,5 @@ def test_help_names_every_mode():
     out = subprocess.run([sys.executable, "-m", "epjit.bench", "--help"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
-    for mode in ("dispatch", "dispatch-fp8", "combine", "ll-dispatch", "ll-combine", "ll-hook"):
+    for mode in ("dispatch", "dispatch-fp8", "combine", "ll-dispatch", "ll-combine", "ll-hook", "ceiling"):
         assert mode in out.stdout, mode
