@@ -508,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
                                  "ceiling"],
                         help="normal mode: dispatch, dispatch-fp8, combine; low latency (CUDA-graph replays): "
                              "ll-dispatch (FP8), ll-combine, ll-hook (send and receive halves of each); ceiling: "
-                             "plain warp copies to one peer, to every peer and locally, by SMs (--ceiling-sms)")
+                             "warp and bulk (TMA) copies to one peer, to every peer and locally, by SMs "
+                             "(--ceiling-sms)")
     parser.add_argument("--ceiling-sms", type=int, nargs="+", default=[4, 8, 12, 16, 24, 32],
                         help="SM counts of the ceiling mode (all SMs are always added)")
     parser.add_argument("--ll-tokens", type=int, nargs="+", default=[128],
@@ -517,7 +518,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-nccl", action="store_true")
     parser.add_argument("--json", help="write the rows here (rank 0)")
     parser.add_argument("--profile", action="store_true", help="print where one call of each case spends its time")
+    parser.add_argument("--summary", nargs="+", metavar="JSON",
+                        help="print the rows of earlier --json files as one table, and nothing else (no GPU)")
     args = parser.parse_args(argv)
+    if args.summary:
+        for path in args.summary:
+            with open(path) as f:
+                for row in json.load(f)["rows"]:
+                    _print_row(Row(**row))
+        return 0
     if args.repeat < 20:
         parser.error("--repeat must be >= 20 (DESIGN.md's protocol)")
     start = time.time()

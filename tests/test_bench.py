@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 
@@ -23,3 +25,13 @@ def test_help_names_every_mode():
     assert out.returncode == 0, out.stderr
     for mode in ("dispatch", "dispatch-fp8", "combine", "ll-dispatch", "ll-combine", "ll-hook", "ceiling"):
         assert mode in out.stdout, mode
+
+
+def test_summary_prints_earlier_rows_without_a_gpu(tmp_path, capsys):
+    row = bench.Row("combine", 4096, 7168, 8, 256, 24, 4, 512.5, 640.0, 310.0, 420.0, 250.0, 1.25, 90.0)
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps({"meta": {}, "rows": [asdict(row)]}))
+    assert bench.main(["--summary", str(path)]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("combine")]
+    assert line.split()[:6] == ["combine", "4096", "7168", "24", "4", "512.5"]
+    assert "1.25" in line.split()
