@@ -551,8 +551,9 @@ class Buffer:
         """Wait until notify has filled host_out: spin on its first word, which notify writes last with a
         system-scope release (it starts at -1), as DeepEP's host does: the host sees the counts as soon as they
         land, not after the stream's later work or a synchronisation's wake-up. Every 256 polls the stream is
-        queried (cudaStreamQuery itself: CuPy's Stream.done reads an error as "not done"), so a kernel error or a
-        timeout trap, after which the word never comes, raises as _sync would."""
+        queried with cudaStreamQuery itself (polling CuPy's Stream.done, the timeout test hung past the kernel's
+        trap, as if an error read as "not done"), so a kernel error or a timeout trap, after which the word never
+        comes, raises as _sync would."""
         from cuda.bindings import runtime as cudart
 
         ints = host.view(np.int32)
