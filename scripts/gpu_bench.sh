@@ -26,4 +26,6 @@ bench profile --tokens 4096 --modes dispatch combine --no-nccl --profile
 grep -h "profile\|buffer:\|floor\|host time" "$OUT"/*.log | cut -c1-600
 echo "=== $n ranks"
 python3 -m epjit.bench --summary $(ls "$OUT"/{ceiling,normal,normal-sms,low-latency}.json 2>/dev/null)
+# The device tool brings back only a few files: one archive of them all.
+(cd "$OUT" && tar czf bench-logs.tgz --remove-files *.log *.json *.txt 2>/dev/null)
 exit $status

@@ -21,4 +21,6 @@ printf "%-28s %s\n" "jit --check cold (s)" "$(python3 -c "print(round($t1 - $t0,
   "jit --check warm (s)" "$(python3 -c "print(round($t2 - $t1, 2))") rc=$warm_rc" \
   "gpu tests" "rc=$tests_rc $(tail -n 1 "$OUT/gpu-tests.log")"
 tail -n 2 "$OUT/jit-warm.log"
+# The device tool brings back only a few files: one archive of them all.
+(cd "$OUT" && tar czf check-logs.tgz --remove-files *.log *.txt 2>/dev/null)
 exit $tests_rc
