@@ -9,7 +9,7 @@ namespace epjit {
 // n int4 from src to dst with one warp, kInFlight 16-byte loads per lane issued before their stores: bytes in
 // flight are what keeps NVLink busy (one warp: 32 x 16 x kInFlight bytes). Load is the (read-only or
 // ring) load wrapper: `.nc` for inputs nobody writes during the kernel, volatile for ring slots a peer wrote.
-template <int kInFlight, typename Load>
+template <int kInFlight, bool kHalfBatches, typename Load>
 __device__ __forceinline__ void warp_copy_with(int4* dst, const int4* src, int n, int lane, Load load) {
     int i = lane;
     for (; i + 32 * (kInFlight - 1) < n; i += 32 * kInFlight) {
@@ -19,17 +19,31 @@ __device__ __forceinline__ void warp_copy_with(int4* dst, const int4* src, int n
 #pragma unroll
         for (int j = 0; j < kInFlight; ++j) ptx::st_global_L1_no_allocate_v4(dst + i + 32 * j, v[j]);
     }
+    // The remainder (fewer than kInFlight words a lane) in half batches, then singly: each batch costs a memory
+    // round trip, and word by word an FP8 row of 7168 took 1 + 6 of them, a bf16 row 3 + 4.
+    constexpr int kHalf = kInFlight / 2;
+    for (; kHalfBatches && i + 32 * (kHalf - 1) < n; i += 32 * kHalf) {
+        int4 v[kHalf];
+#pragma unroll
+        for (int j = 0; j < kHalf; ++j) v[j] = load(src + i + 32 * j);
+#pragma unroll
+        for (int j = 0; j < kHalf; ++j) ptx::st_global_L1_no_allocate_v4(dst + i + 32 * j, v[j]);
+    }
     for (; i < n; i += 32) ptx::st_global_L1_no_allocate_v4(dst + i, load(src + i));
 }
 
+// kHalfBatches = false keeps the word-by-word remainder, for kernels at their register limit where the half
+// batch's registers spill (the combine sender).
+template <bool kHalfBatches = true>
 __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int lane) {
-    warp_copy_with<8>(dst, src, n, lane, [](const int4* p) { return ptx::ld_global_nc_L1_no_allocate_v4(p); });
+    warp_copy_with<8, kHalfBatches>(dst, src, n, lane,
+                                    [](const int4* p) { return ptx::ld_global_nc_L1_no_allocate_v4(p); });
 }
 
 // From memory another GPU writes during this kernel (ring slots, receive slots): the non-coherent path must not
 // serve it.
 __device__ __forceinline__ void warp_copy_peer_written(int4* dst, const int4* src, int n, int lane) {
-    warp_copy_with<8>(dst, src, n, lane, [](const int4* p) { return ptx::ld_volatile_global_v4(p); });
+    warp_copy_with<8, true>(dst, src, n, lane, [](const int4* p) { return ptx::ld_volatile_global_v4(p); });
 }
 
 // One thread's pipeline of bulk (TMA) copies through kStages shared-memory stages: push(dst, src, bytes) loads

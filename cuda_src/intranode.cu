@@ -264,6 +264,63 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
     timeline_mark(timeline, kNotifyAtEnd);
 }
 
+// The small fields that travel with a token's row: source index, top-k ids made local to the destination (-1
+// for other ranks' experts), their weights (0 there) and the FP8 scales. Each warp loads them into registers
+// before it copies the row and stores them after, so their load latency hides behind the row's (loaded after the
+// row, each token paid one more memory round trip). Lanes hold top-k entry `lane` and scales lane and lane + 32;
+// scales past 64 (hidden > 8192) are copied directly.
+struct TokenFields {
+    static constexpr int kHeldScales = 64;
+    int src;
+    int expert;
+    float weight, scale0, scale1;
+
+    // From the caller's inputs, token t, for the rank owning experts [lo, hi).
+    __device__ void load_inputs(int t, const int64_t* topk_idx, const float* topk_weights, const float* x_scales,
+                                int num_topk, int num_scales, int64_t lo, int64_t hi, int lane) {
+        src = t;
+        expert = -1, weight = 0.0f;
+        if (topk_idx != nullptr && lane < num_topk) {
+            const int64_t e = topk_idx[static_cast<int64_t>(t) * num_topk + lane];
+            if (e >= lo && e < hi) {
+                expert = static_cast<int>(e - lo);
+                if (topk_weights != nullptr) weight = topk_weights[static_cast<int64_t>(t) * num_topk + lane];
+            }
+        }
+        const float* scales = x_scales + static_cast<int64_t>(t) * num_scales;
+        scale0 = lane < num_scales ? scales[lane] : 0.0f;
+        scale1 = lane + 32 < num_scales ? scales[lane + 32] : 0.0f;
+    }
+
+    // From ring slot `slot` of queue q, which a peer wrote during this kernel (volatile loads).
+    __device__ void load_ring(const IntranodeLayout& ring, int q, int slot, int num_topk, int num_scales, int lane) {
+        src = ptx::ld_volatile_s32(ring.src_slot(q, slot));
+        if (lane < num_topk) {
+            expert = ptx::ld_volatile_s32(ring.topk_idx_slot(q, slot) + lane);
+            weight = ld_volatile_f32(ring.topk_weights_slot(q, slot) + lane);
+        }
+        const float* scales = ring.scales_slot(q, slot);
+        if (lane < num_scales) scale0 = ld_volatile_f32(scales + lane);
+        if (lane + 32 < num_scales) scale1 = ld_volatile_f32(scales + lane + 32);
+    }
+
+    __device__ void store(int* to_src, int* to_expert, float* to_weight, float* to_scales, int num_topk,
+                          int num_scales, int lane) const {
+        if (lane == 0) *to_src = src;
+        if (to_expert != nullptr && lane < num_topk) {
+            to_expert[lane] = expert;
+            if (to_weight != nullptr) to_weight[lane] = weight;
+        }
+        if (lane < num_scales) to_scales[lane] = scale0;
+        if (lane + 32 < num_scales) to_scales[lane + 32] = scale1;
+    }
+};
+
+// Scales past the 64 TokenFields holds, from the caller's (read-only) x_scales.
+__device__ __forceinline__ void copy_scales_past_held(float* to, const float* from, int num_scales, int lane) {
+    for (int s = TokenFields::kHeldScales + lane; s < num_scales; s += 32) to[s] = from[s];
+}
+
 template <int kNumRanks, int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1)
 intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales, const int64_t* topk_idx,
@@ -303,18 +360,18 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
             if (!selected) continue;
             if (n % group_warps == warp_in_rank) {
                 const int64_t row = row0 + n;
+                TokenFields fields;
+                fields.load_inputs(t, topk_idx, topk_weights, x_scales, num_topk, num_scales, lo, hi, lane);
                 warp_copy(recv_x + row * x_row_int4, x + static_cast<int64_t>(t) * x_row_int4, x_row_int4, lane);
                 if (lane == 0) recv_src_idx[row] = t;
-                if (topk_idx != nullptr && lane < num_topk) {
-                    const int64_t e = topk_idx[static_cast<int64_t>(t) * num_topk + lane];
-                    const bool local = e >= lo && e < hi;
-                    recv_topk_idx[row * num_topk + lane] = local ? e - lo : -1;
-                    if (topk_weights != nullptr)
-                        recv_topk_weights[row * num_topk + lane] =
-                            local ? topk_weights[static_cast<int64_t>(t) * num_topk + lane] : 0.0f;
+                if (recv_topk_idx != nullptr && lane < num_topk) {
+                    recv_topk_idx[row * num_topk + lane] = fields.expert;
+                    if (recv_topk_weights != nullptr) recv_topk_weights[row * num_topk + lane] = fields.weight;
                 }
-                for (int s = lane; s < num_scales; s += 32)
-                    recv_x_scales[row * num_scales + s] = x_scales[static_cast<int64_t>(t) * num_scales + s];
+                float* scales = recv_x_scales + row * num_scales;
+                if (lane < num_scales) scales[lane] = fields.scale0;
+                if (lane + 32 < num_scales) scales[lane + 32] = fields.scale1;
+                copy_scales_past_held(scales, x_scales + static_cast<int64_t>(t) * num_scales, num_scales, lane);
             }
             ++n;
         }
@@ -346,18 +403,13 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
                 if (!selected) continue;
                 const int slot = tail % num_slots;
                 if (chunk % group_warps == warp_in_rank) {
+                    TokenFields fields;
+                    fields.load_inputs(t, topk_idx, topk_weights, x_scales, num_topk, num_scales, lo, hi, lane);
                     warp_copy(dst.x_slot(q, slot), x + static_cast<int64_t>(t) * x_row_int4, x_row_int4, lane);
-                    if (lane == 0) *dst.src_slot(q, slot) = t;
-                    if (topk_idx != nullptr && lane < num_topk) {
-                        const int64_t e = topk_idx[static_cast<int64_t>(t) * num_topk + lane];
-                        const bool local = e >= lo && e < hi;
-                        dst.topk_idx_slot(q, slot)[lane] = local ? static_cast<int>(e - lo) : -1;
-                        if (topk_weights != nullptr)
-                            dst.topk_weights_slot(q, slot)[lane] =
-                                local ? topk_weights[static_cast<int64_t>(t) * num_topk + lane] : 0.0f;
-                    }
-                    for (int s = lane; s < num_scales; s += 32)
-                        dst.scales_slot(q, slot)[s] = x_scales[static_cast<int64_t>(t) * num_scales + s];
+                    fields.store(dst.src_slot(q, slot), topk_idx != nullptr ? dst.topk_idx_slot(q, slot) : nullptr,
+                                 dst.topk_weights_slot(q, slot), dst.scales_slot(q, slot), num_topk, num_scales, lane);
+                    copy_scales_past_held(dst.scales_slot(q, slot), x_scales + static_cast<int64_t>(t) * num_scales,
+                                          num_scales, lane);
                 }
                 ++tail;
                 ++chunk;
@@ -410,15 +462,19 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
             for (int i = head + warp_in_rank; i < tail; i += group_warps) {
                 const int slot = i % num_slots;
                 const int64_t row = row0 + i;
+                TokenFields fields;
+                fields.load_ring(mine, q, slot, recv_topk_idx != nullptr ? num_topk : 0, num_scales, lane);
                 warp_copy_peer_written(recv_x + row * x_row_int4, mine.x_slot(q, slot), x_row_int4, lane);
-                if (lane == 0) recv_src_idx[row] = ptx::ld_volatile_s32(mine.src_slot(q, slot));
+                if (lane == 0) recv_src_idx[row] = fields.src;
                 if (recv_topk_idx != nullptr && lane < num_topk) {
-                    recv_topk_idx[row * num_topk + lane] = ptx::ld_volatile_s32(mine.topk_idx_slot(q, slot) + lane);
-                    if (recv_topk_weights != nullptr)
-                        recv_topk_weights[row * num_topk + lane] = ld_volatile_f32(mine.topk_weights_slot(q, slot) + lane);
+                    recv_topk_idx[row * num_topk + lane] = fields.expert;
+                    if (recv_topk_weights != nullptr) recv_topk_weights[row * num_topk + lane] = fields.weight;
                 }
-                for (int s = lane; s < num_scales; s += 32)
-                    recv_x_scales[row * num_scales + s] = ld_volatile_f32(mine.scales_slot(q, slot) + s);
+                float* scales = recv_x_scales + row * num_scales;
+                if (lane < num_scales) scales[lane] = fields.scale0;
+                if (lane + 32 < num_scales) scales[lane + 32] = fields.scale1;
+                for (int s = TokenFields::kHeldScales + lane; s < num_scales; s += 32)
+                    scales[s] = ld_volatile_f32(mine.scales_slot(q, slot) + s);
             }
             // Every warp of the group has read slots [head, tail) before the sender may reuse them.
             roles.sync();
@@ -495,7 +551,8 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
             for (int chunk = 0; chunk < chunk_limit && row < last; ++chunk, ++row, ++tail) {
                 if (chunk % Roles::kSendPerPeer != warp_in_rank) continue;
                 const int slot = tail % num_slots;
-                warp_copy(dst.x_slot(q, slot), y + static_cast<int64_t>(row) * row_int4, row_int4, lane);
+                // Word-by-word remainder: the half batch spills this kernel's registers (80 at 768 threads).
+                warp_copy<false>(dst.x_slot(q, slot), y + static_cast<int64_t>(row) * row_int4, row_int4, lane);
                 if (y_topk_weights != nullptr && lane < num_topk)
                     dst.topk_weights_slot(q, slot)[lane] = y_topk_weights[static_cast<int64_t>(row) * num_topk + lane];
             }
