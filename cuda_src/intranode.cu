@@ -38,8 +38,12 @@ constexpr int kStatusMetaMismatch = 1;   // hidden / num_experts / num_topk / fl
 constexpr int kStatusWorstTooSmall = 2;  // some rank would receive more rows than num_worst_tokens
 constexpr int kStatusLayoutTooBig = 4;   // some rank's layout does not fit its num_nvl_bytes
 constexpr int kStatusInvalidIds = 8;     // some rank's topk_idx has entries outside [-1, num_experts)
+constexpr int kStatusOverCapacity = 16;  // some rank would receive more rows than the outputs it allocated early
 constexpr int kMetaLayoutTooBig = 1 << 30;
 constexpr int kMetaInvalidIds = 1 << 29;
+constexpr int kFlagWorstTokens = 8;  // call flag: the receive capacity is num_worst_tokens (too small: an error)
+// Per-rank meta bits and flags, not meant to agree across ranks.
+constexpr int kOwnMetaBits = kMetaLayoutTooBig | kMetaInvalidIds | kFlagWorstTokens;
 
 // EPJIT_PROFILE (timeline.cuh): the points dispatch and combine blocks stamp (epjit/kernels/intranode.py mirrors
 // them). Points several warp groups reach are stamped by each; the latest counts.
@@ -139,13 +143,18 @@ struct CombineRoles {
 };
 
 // Host-mapped ints notify fills (host_out), read by the host once [0] is no longer -1 (written last):
-//   [0] rows this rank receives   [1] status bits   [2, 2+4R) every rank's meta   [2+4R, 2+5R) rows each rank
-//   receives   [2+5R, 2+5R+L) rows per local expert, rounded up to expert_alignment
+//   [0] rows this rank receives   [1] status bits   [2, 2+M*R) every rank's meta (M = kMetaInts)   [2+M*R,
+//   2+(M+1)*R) rows each rank receives   [2+(M+1)*R, +L) rows per local expert, rounded up to expert_alignment
+//
+// recv_capacity: the rows of output this rank allocated before the counts were known (num_worst_tokens, a
+// handle's rows, or the host's estimate). Every rank learns every rank's capacity through the meta,
+// so all agree to stop when one would overflow: kStatusWorstTooSmall for num_worst_tokens (an error), else
+// kStatusOverCapacity (the host repeats the call with outputs of the exact size).
 template <int kNumRanks>
 __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_per_rank,
                                  const int* num_tokens_per_expert, const bool* is_token_in_rank, int num_tokens,
                                  int num_channels, int num_slots, int hidden, int num_topk, int num_scales,
-                                 int num_experts, int flags, int expert_alignment, int num_worst_tokens, int cached,
+                                 int num_experts, int flags, int expert_alignment, int recv_capacity, int cached,
                                  const int* invalid_ids, int* rank_prefix_matrix, int* channel_prefix_matrix,
                                  int* host_out, int* device_status, uint64_t* timeline) {
     const int me = peers->nvl_rank;
@@ -199,11 +208,13 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
                              num_topk, num_scales, num_local_experts);
         if (!cached)
             for (int i = 0; i < kNumRanks; ++i) peer.counts[me * kNumRanks + i] = num_tokens_per_rank[i];
-        peer.meta[me * 4 + 0] = hidden;
-        peer.meta[me * 4 + 1] = num_experts;
-        peer.meta[me * 4 + 2] = num_topk;
+        int32_t* meta = peer.meta + me * kMetaInts;
+        meta[0] = hidden;
+        meta[1] = num_experts;
+        meta[2] = num_topk;
+        meta[4] = recv_capacity;
         const bool invalid = invalid_ids != nullptr && *invalid_ids != 0;
-        peer.meta[me * 4 + 3] = flags | (fits ? 0 : kMetaLayoutTooBig) | (invalid ? kMetaInvalidIds : 0);
+        meta[3] = flags | (fits ? 0 : kMetaLayoutTooBig) | (invalid ? kMetaInvalidIds : 0);
     }
     // Per-expert counts by every thread, one (peer, local expert) each (a loop of one thread per peer cost ~8 us).
     if (!cached && fits)
@@ -223,14 +234,13 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
     if (t == 0) status = 0;
     __syncthreads();
     if (t < kNumRanks) {
-        constexpr int kOwnBits = kMetaLayoutTooBig | kMetaInvalidIds;  // per-rank facts, not meant to agree
+        const int32_t* theirs = mine.meta + t * kMetaInts;
+        const int32_t* own = mine.meta + me * kMetaInts;
         bool same = true;
-        for (int j = 0; j < 4; ++j) {
-            host_out[2 + t * 4 + j] = mine.meta[t * 4 + j];
-            same = same && (mine.meta[t * 4 + j] & ~kOwnBits) == (mine.meta[me * 4 + j] & ~kOwnBits);
-        }
-        if (mine.meta[t * 4 + 3] & kMetaLayoutTooBig) atomicOr(&status, kStatusLayoutTooBig);
-        if (mine.meta[t * 4 + 3] & kMetaInvalidIds) atomicOr(&status, kStatusInvalidIds);
+        for (int j = 0; j < kMetaInts; ++j) host_out[2 + t * kMetaInts + j] = theirs[j];
+        for (int j = 0; j < kMetaCompared; ++j) same = same && (theirs[j] & ~kOwnMetaBits) == (own[j] & ~kOwnMetaBits);
+        if (theirs[3] & kMetaLayoutTooBig) atomicOr(&status, kStatusLayoutTooBig);
+        if (theirs[3] & kMetaInvalidIds) atomicOr(&status, kStatusInvalidIds);
         if (!same) atomicOr(&status, kStatusMetaMismatch);
         if (!cached) {
             // Column t of the counts matrix, prefix-summed over source ranks (DeepEP's rank_prefix_matrix).
@@ -244,14 +254,17 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
     __syncthreads();
     if (t < kNumRanks) {
         const int total = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + t];
-        host_out[2 + 4 * kNumRanks + t] = total;
-        if (num_worst_tokens > 0 && total > num_worst_tokens) atomicOr(&status, kStatusWorstTooSmall);
+        host_out[2 + kMetaInts * kNumRanks + t] = total;
+        const int32_t* theirs = mine.meta + t * kMetaInts;
+        if (total > theirs[4])
+            atomicOr(&status, theirs[3] & kFlagWorstTokens ? kStatusWorstTooSmall : kStatusOverCapacity);
     }
     if (!cached && fits)
         for (int l = t; l < num_local_experts; l += blockDim.x) {
             int sum = 0;
             for (int i = 0; i < kNumRanks; ++i) sum += mine.expert_counts[i * num_local_experts + l];
-            host_out[2 + 5 * kNumRanks + l] = (sum + expert_alignment - 1) / expert_alignment * expert_alignment;
+            host_out[2 + (kMetaInts + 1) * kNumRanks + l] =
+                (sum + expert_alignment - 1) / expert_alignment * expert_alignment;
         }
     __syncthreads();
     if (t == 0) {

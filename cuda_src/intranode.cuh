@@ -8,7 +8,8 @@
 //   control   dispatch      int32 [4][C][R src]      start, end (as -v-1, so 0 reads "not yet"), head, tail
 //             combine       int32 [2][C][R src]      head, tail
 //   notify    counts        int32 [R src][R dst]     row `src` written by rank src: tokens it sends to each rank
-//             meta          int32 [R src][4]         {hidden, num_experts, num_topk, flags} as each rank called
+//             meta          int32 [R src][8]         {hidden, num_experts, num_topk, flags, recv_capacity, 0...}
+//                                                     as each rank called (the first kMetaCompared must agree)
 //   rings     x             [C][R src][T][hidden*2 bytes]   one row a slot (bf16 size; FP8 rows use half)
 //             src_idx       int32 [C][R src][T]
 //             topk_idx      int32 [C][R src][T][K]          local expert ids, -1 elsewhere
@@ -28,6 +29,9 @@ __host__ __device__ constexpr int64_t align128(int64_t n) { return (n + 127) / 1
 
 // Channels a call may use (epjit/config.py: MAX_CHANNELS): every Buffer reserves control words for this many.
 constexpr int kMaxChannels = 128;
+// Ints of meta per rank, and how many of them must agree across ranks (epjit/buffer.py mirrors both).
+constexpr int kMetaInts = 8;
+constexpr int kMetaCompared = 4;
 
 struct IntranodeLayout {
     int32_t* dispatch_ctrl;
@@ -55,7 +59,7 @@ struct IntranodeLayout {
         dispatch_ctrl = reinterpret_cast<int32_t*>(base + off), off += align128(4 * C * R * 4);
         combine_ctrl = reinterpret_cast<int32_t*>(base + off), off += align128(2 * C * R * 4);
         counts = reinterpret_cast<int32_t*>(base + off), off += align128(R * R * 4);
-        meta = reinterpret_cast<int32_t*>(base + off), off += align128(R * 4 * 4);
+        meta = reinterpret_cast<int32_t*>(base + off), off += align128(R * kMetaInts * 4);
         ring_x = base + off, off += align128(C * R * T * row_bytes);
         ring_src = reinterpret_cast<int32_t*>(base + off), off += align128(C * R * T * 4);
         ring_topk_idx = reinterpret_cast<int32_t*>(base + off), off += align128(C * R * T * K * 4);

@@ -30,7 +30,7 @@ from .errors import ArgumentError, ArgumentTypeError, EpjitError, SetupError, wi
 from .group import Group
 from .kernels import IntranodeNotifySpec, IntranodeSpec, LayoutSpec
 from .kernels.foundation import TIMELINE_SLOTS
-from .kernels.intranode import NOTIFY_TIMELINE_POINTS, NUM_THREADS, intranode_min_nvl_bytes
+from .kernels.intranode import META_INTS, NOTIFY_TIMELINE_POINTS, NUM_THREADS, intranode_min_nvl_bytes
 from .kernels.intranode import TIMELINE_POINTS as NORMAL_TIMELINE_POINTS
 from .kernels.low_latency import (
     FLAG_FP8,
@@ -55,8 +55,10 @@ from .memory import MappedHostArray, PeerMemory
 
 # Bits of the notify status (cuda_src/intranode.cu) and of the meta flags each rank announces.
 _STATUS_META_MISMATCH, _STATUS_WORST_TOO_SMALL, _STATUS_LAYOUT_TOO_BIG, _STATUS_INVALID_IDS = 1, 2, 4, 8
+_STATUS_OVER_CAPACITY = 16
 _META_INVALID_IDS, _META_LAYOUT_TOO_BIG = 1 << 29, 1 << 30
-_FLAG_FP8, _FLAG_WEIGHTS, _FLAG_TOPK = 1, 2, 4
+_FLAG_FP8, _FLAG_WEIGHTS, _FLAG_TOPK, _FLAG_WORST_TOKENS = 1, 2, 4, 8
+_OWN_META_BITS = _META_INVALID_IDS | _META_LAYOUT_TOO_BIG | _FLAG_WORST_TOKENS  # kOwnMetaBits: need not agree
 _META_NAMES = ("hidden", "num_experts", "num_topk", "flags")
 _POISON_BYTE = 0x7F  # NaN in bf16 pairs (0x7F7F), NaN in e4m3, a huge int: never a plausible value
 
@@ -406,6 +408,8 @@ class Buffer:
                 self.comm_stream = cupy.cuda.Stream(non_blocking=True)
                 self._device_status = cupy.zeros(1, dtype=cupy.int32)
             self._pending_status: tuple[Event, int] | None = None  # worst-token notify not yet checked
+            self._recv_rows_per_token: float | None = None  # the last dispatch's (see _recv_rows_estimate)
+            self._dispatch_retries = 0  # dispatches run again because their outputs were too small (tests read it)
             if self.num_nvl_bytes:
                 self._layout_module = jit.load(LayoutSpec(), group.device)
                 self._notify_module = jit.load(IntranodeNotifySpec(self.num_ranks), group.device)
@@ -474,7 +478,7 @@ class Buffer:
                                        "one (Buffer.get_normal_size_hint)"))
 
     def _host_buffer(self, num_experts: int) -> MappedHostArray:
-        need = 4 * (2 + 5 * self.num_ranks + num_experts // self.num_ranks)
+        need = 4 * (2 + (META_INTS + 1) * self.num_ranks + num_experts // self.num_ranks)
         if self._host_out is None or self._host_out.num_bytes < need:
             if self._host_out is not None:
                 self.comm_stream.synchronize()
@@ -578,14 +582,39 @@ class Buffer:
             out.view(cupy.uint8).fill(_POISON_BYTE)
         return out
 
+    def _recv_rows_estimate(self, num_tokens: int) -> int:
+        """Rows of dispatch output to allocate before the counts are known: R x N the first time (every token to
+        every rank; more arrive only when other ranks send more tokens than this one), then the rows the last call
+        received per token, times N, plus 1/16 and 128 rows (random routings vary by a few percent). Notify stops
+        the call when they do not fit, and it runs again with the exact rows."""
+        if self._recv_rows_per_token is None:
+            return self.num_ranks * num_tokens
+        return int(self._recv_rows_per_token * num_tokens * 17 / 16) + 128
+
+    def _dispatch_outputs(self, direct: bool, rows: int, hidden: int, num_scales: int, num_topk: int, fp8: bool,
+                          with_idx: bool, with_weights: bool) -> tuple[tuple[Any, ...], Any]:
+        """recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights (None where not asked for) and recv_src_idx."""
+        cupy = _cupy()
+        if direct:
+            outs = self._torch_outputs(((rows, hidden), "float8_e4m3fn" if fp8 else "bfloat16"),
+                                       ((rows, num_scales), "float32") if fp8 else None,
+                                       ((rows, num_topk), "int64") if with_idx else None,
+                                       ((rows, num_topk), "float32") if with_weights else None)
+        else:
+            outs = (self._empty((rows, hidden), cupy.uint8 if fp8 else _bf16()),
+                    self._empty((rows, num_scales), cupy.float32) if fp8 else None,
+                    self._empty((rows, num_topk), cupy.int64) if with_idx else None,
+                    self._empty((rows, num_topk), cupy.float32) if with_weights else None)
+        return outs, self._empty((rows,), cupy.int32)
+
     def _check_status(self, host: MappedHostArray, num_worst_tokens: int) -> None:
         ints = host.view(np.int32)
         status = int(ints[1])
         if status == 0:
             return
         r = self.num_ranks
-        meta = ints[2:2 + 4 * r].reshape(r, 4).copy()
-        totals = ints[2 + 4 * r:2 + 5 * r].copy()
+        meta = ints[2:2 + META_INTS * r].reshape(r, META_INTS).copy()
+        totals = ints[2 + META_INTS * r:2 + (META_INTS + 1) * r].copy()
         problems = []
         if status & _STATUS_LAYOUT_TOO_BIG:
             problems.append(f"the call's rings do not fit num_nvl_bytes={self.num_nvl_bytes} on some rank "
@@ -596,13 +625,19 @@ class Buffer:
                             f"{', '.join(map(str, ranks))}")
         if status & _STATUS_META_MISMATCH:
             for j, name in enumerate(_META_NAMES):
-                column = meta[:, j] & ~(_META_INVALID_IDS | _META_LAYOUT_TOO_BIG)
+                column = meta[:, j] & ~_OWN_META_BITS
                 if len(set(column.tolist())) > 1:
                     values = ", ".join(f"rank {i}: {self._describe_meta(name, int(v))}" for i, v in enumerate(column))
                     problems.append(f"{name} differs across ranks: {values}")
         if status & _STATUS_WORST_TOO_SMALL:
-            values = ", ".join(f"rank {i}: {int(v)}" for i, v in enumerate(totals))
-            problems.append(f"num_worst_tokens={num_worst_tokens} is too small for what arrives ({values})")
+            values = ", ".join(f"rank {i}: {int(v)} for {int(meta[i, 4])}" for i, v in enumerate(totals)
+                               if meta[i, 3] & _FLAG_WORST_TOKENS and v > meta[i, 4])
+            problems.append(f"num_worst_tokens={num_worst_tokens} is too small for what arrives (rows received for "
+                            f"num_worst_tokens: {values})")
+        if status & _STATUS_OVER_CAPACITY and not problems:
+            values = ", ".join(f"rank {i}: {int(v)} for {int(meta[i, 4])}" for i, v in enumerate(totals)
+                               if meta[i, 4] < v)
+            problems.append(f"the routing does not match the handle's (rows received for rows expected: {values})")
         raise ArgumentError(with_rank("dispatch refused on every rank: " + "; ".join(problems)))
 
     @staticmethod
@@ -821,8 +856,22 @@ class Buffer:
         table, status = self.mem.table_ptr, self._device_status.data.ptr
         caller = self._begin(previous_event)
         profile.mark("validated", comm)
+        # Outputs are allocated before the counts are known, so that the GPU runs dispatch right after notify
+        # instead of idling while the host waits for the counts, allocates and launches (~40-60 us on H200s):
+        # num_worst_tokens rows, a handle's exact rows, or an estimate (see _recv_rows_estimate). Notify stops the
+        # call on every rank when some rank's rows would not fit; with an estimate, it then runs again with the
+        # exact rows, which every rank knows by then.
+        if num_worst_tokens > 0:
+            capacity = num_worst_tokens
+            flags |= _FLAG_WORST_TOKENS
+        elif handle is not None and handle.num_recv_tokens >= 0:
+            capacity = handle.num_recv_tokens
+        else:
+            capacity = self._recv_rows_estimate(num_tokens)
         cupy = _cupy()
         with comm:  # CuPy allocates on the communication stream (the handle's arrays, CuPy callers' outputs)
+            recv_channel_offset = cupy.empty((r, num_channels), dtype=cupy.int32)
+            send_head = cupy.empty((num_tokens, r), dtype=cupy.int32)
             if handle is None:
                 rank_prefix = cupy.empty((r, r), dtype=cupy.int32)
                 channel_prefix = cupy.empty((r, num_channels), dtype=cupy.int32)
@@ -832,57 +881,56 @@ class Buffer:
                 in_rank = _address(in_rank)
                 rank_prefix, channel_prefix = handle.rank_prefix_matrix, handle.channel_prefix_matrix
                 per_rank = per_expert = invalid = 0
-            host.view(np.int32)[:2] = (-1, 0)
-            self._notify_module.launch(
-                "intranode_notify", 1 + r, 128, table, per_rank, per_expert, in_rank, num_tokens, num_channels,
-                config.nvl_chunk_recv, hidden, num_topk, num_scales, num_experts_, flags, expert_alignment,
-                num_worst_tokens, int(handle is not None), invalid, rank_prefix.data.ptr, channel_prefix.data.ptr,
-                host.device_ptr, status, profile.timeline("notify", 1 + r, NOTIFY_TIMELINE_POINTS), stream=comm)
-            profile.mark("notify", comm)
-            # What does not depend on the counts is allocated while notify runs.
-            recv_channel_offset = cupy.empty((r, num_channels), dtype=cupy.int32)
-            send_head = cupy.empty((num_tokens, r), dtype=cupy.int32)
-            if num_worst_tokens > 0:
-                num_rows, num_recv, per_expert_counts = num_worst_tokens, -1, []
-            else:
+            for attempt in range(2):
+                outs, recv_src = self._dispatch_outputs(direct, capacity, hidden, num_scales, num_topk, fp8,
+                                                        idx_arg is not None, w_arg is not None)
+                profile.mark("allocated", comm)
+                host.view(np.int32)[:2] = (-1, 0)
+                self._notify_module.launch(
+                    "intranode_notify", 1 + r, 128, table, per_rank, per_expert, in_rank, num_tokens, num_channels,
+                    config.nvl_chunk_recv, hidden, num_topk, num_scales, num_experts_, flags, expert_alignment,
+                    capacity, int(handle is not None), invalid, rank_prefix.data.ptr, channel_prefix.data.ptr,
+                    host.device_ptr, status, profile.timeline("notify", 1 + r, NOTIFY_TIMELINE_POINTS),
+                    stream=comm)
+                profile.mark("notify", comm)
+                self._main_module.launch(
+                    "intranode_dispatch", num_channels, NUM_THREADS, table, x_arg, scales_arg,
+                    0 if idx_arg is None else idx_arg, 0 if w_arg is None else w_arg, in_rank,
+                    channel_prefix.data.ptr, rank_prefix.data.ptr, status, _address(outs[0]), _address(outs[1]),
+                    recv_src.data.ptr, _address(outs[2]), _address(outs[3]), recv_channel_offset.data.ptr,
+                    send_head.data.ptr, num_tokens, hidden, hidden * (1 if fp8 else 2) // 16, num_scales, num_topk,
+                    num_experts_, num_channels, config.nvl_chunk_recv, config.nvl_chunk_send, num_worst_tokens,
+                    profile.timeline("dispatch", num_channels, NORMAL_TIMELINE_POINTS), stream=comm)
+                profile.mark("dispatch", comm)
+                # The caller's stream waits for the kernels now, before the host waits for the counts: else a host
+                # slower than dispatch would put its own time on the caller's stream.
+                event = self._finish(caller, async_finish)
+                if num_worst_tokens > 0:
+                    num_rows, num_recv, per_expert_counts = num_worst_tokens, -1, []
+                    break
                 self._wait_for_counts(host)
-                self._check_status(host, 0)
                 ints = host.view(np.int32)
-                num_recv = int(ints[0])
-                num_rows = num_recv
+                num_recv = num_rows = int(ints[0])
+                if int(ints[1]) == _STATUS_OVER_CAPACITY and handle is None and attempt == 0:
+                    capacity = num_recv  # every rank stopped; each runs again with its exact rows
+                    self._dispatch_retries += 1
+                    continue
+                self._check_status(host, 0)
+                profile.mark("host_synced")
+                if num_tokens > 0:
+                    self._recv_rows_per_token = num_recv / num_tokens
                 if handle is not None:
                     per_expert_counts = []
                     if handle.num_recv_tokens >= 0 and num_recv != handle.num_recv_tokens:
                         raise EpjitError(with_rank(f"cached dispatch received {num_recv} rows, the handle says "
                                                    f"{handle.num_recv_tokens}"))
                 else:
-                    lo = 2 + 5 * r
+                    lo = 2 + (META_INTS + 1) * r
                     per_expert_counts = ints[lo:lo + num_experts_ // r].tolist()
-                profile.mark("host_synced")
-
-            # ---- outputs: the caller's arrays
-            if direct:
-                outs = self._torch_outputs(((num_rows, hidden), "float8_e4m3fn" if fp8 else "bfloat16"),
-                                           ((num_rows, num_scales), "float32") if fp8 else None,
-                                           ((num_rows, num_topk), "int64") if idx_arg is not None else None,
-                                           ((num_rows, num_topk), "float32") if w_arg is not None else None)
-            else:
-                outs = (self._empty((num_rows, hidden), cupy.uint8 if fp8 else _bf16()),
-                        self._empty((num_rows, num_scales), cupy.float32) if fp8 else None,
-                        self._empty((num_rows, num_topk), cupy.int64) if idx_arg is not None else None,
-                        self._empty((num_rows, num_topk), cupy.float32) if w_arg is not None else None)
-            recv_src = self._empty((num_rows,), cupy.int32)
-            profile.mark("allocated", comm)
-            self._main_module.launch(
-                "intranode_dispatch", num_channels, NUM_THREADS, table, x_arg, scales_arg,
-                0 if idx_arg is None else idx_arg, 0 if w_arg is None else w_arg, in_rank, channel_prefix.data.ptr,
-                rank_prefix.data.ptr, status, _address(outs[0]), _address(outs[1]), recv_src.data.ptr,
-                _address(outs[2]), _address(outs[3]), recv_channel_offset.data.ptr, send_head.data.ptr, num_tokens,
-                hidden, hidden * (1 if fp8 else 2) // 16, num_scales, num_topk, num_experts_, num_channels,
-                config.nvl_chunk_recv, config.nvl_chunk_send, num_worst_tokens,
-                profile.timeline("dispatch", num_channels, NORMAL_TIMELINE_POINTS), stream=comm)
-            profile.mark("dispatch", comm)
-        event = self._finish(caller, async_finish)
+                if num_rows < capacity:  # views of the rows that arrived
+                    outs = tuple(o[:num_rows] if o is not None else None for o in outs)
+                    recv_src = recv_src[:num_rows]
+                break
         if num_worst_tokens > 0 and not _capturing():
             self._pending_status = (event, num_worst_tokens)
         new_handle = DispatchHandle(rank_prefix, channel_prefix, recv_channel_offset, recv_src, in_rank_kept,

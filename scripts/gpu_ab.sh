@@ -18,11 +18,14 @@ case ${1:-} in
     mkdir -p "$OUT"
     export EPJIT_CACHE_DIR=${EPJIT_CACHE_DIR:-/tmp/epjit-cache-$$}
     n=${EPJIT_BENCH_RANKS:-$(nvidia-smi -L | wc -l)}
+    (cd .ab/base && python3 -c "import epjit; print('base imports', epjit.__file__)")
     for round in $(seq "$rounds"); do
       for side in base new; do
-        pp=${PYTHONPATH:-}
-        [ $side = base ] && pp=$PWD/.ab/base${pp:+:$pp}
-        PYTHONPATH=$pp python3 -m epjit.launch -n "$n" -m epjit.bench --json "$OUT/ab-$side-$round.json" "$@" \
+        # Each side runs from its own tree: `python -m` puts the working directory first on sys.path, ahead of
+        # PYTHONPATH, so the tree a command starts in is the epjit it imports (and launches on every rank).
+        dir=$PWD
+        [ $side = base ] && dir=$PWD/.ab/base
+        (cd "$dir" && python3 -m epjit.launch -n "$n" -m epjit.bench --json "$OUT/ab-$side-$round.json" "$@") \
           > "$OUT/ab-$side-$round.log" 2>&1 || { echo "$side round $round failed"; tail -20 "$OUT/ab-$side-$round.log"; }
       done
     done

@@ -17,7 +17,13 @@ from epjit.config import (
     normal_size_hint,
 )
 from epjit.jit.toolchain import CUDA_SRC
-from epjit.kernels.intranode import NUM_THREADS, intranode_min_nvl_bytes, intranode_nvl_bytes
+from epjit.kernels.intranode import (
+    META_COMPARED,
+    META_INTS,
+    NUM_THREADS,
+    intranode_min_nvl_bytes,
+    intranode_nvl_bytes,
+)
 
 
 def test_config_rejects_what_would_deadlock_or_not_launch():
@@ -82,9 +88,26 @@ def test_size_formula_matches_the_device_layout_regions():
         "expert_counts",
     ]
     # Evaluate the C expressions with Python for one set of sizes and compare with the Python mirror.
-    env = {"R": 4, "C": 12, "T": 256, "K": 8, "row_bytes": 7168 * 2, "num_scales": 56, "num_local_experts": 64}
+    env = {"R": 4, "C": 12, "T": 256, "K": 8, "row_bytes": 7168 * 2, "num_scales": 56, "num_local_experts": 64,
+           "kMetaInts": META_INTS}
     total = sum((eval(expr, {}, env) + 127) // 128 * 128 for _, expr in regions)  # noqa: S307 - our own header
     assert total == intranode_nvl_bytes(4, 12, 256, 7168, 8, 56, 64)
+
+
+def test_notify_meta_and_status_mirror_the_kernel():
+    """The host reads notify's meta and status words with the layout and bits intranode.cu(h) writes."""
+    from epjit import buffer
+
+    header, source = (CUDA_SRC / "intranode.cuh").read_text(), (CUDA_SRC / "intranode.cu").read_text()
+    assert f"kMetaInts = {META_INTS};" in header and f"kMetaCompared = {META_COMPARED};" in header
+    for name, value in (("kStatusMetaMismatch", buffer._STATUS_META_MISMATCH),
+                        ("kStatusWorstTooSmall", buffer._STATUS_WORST_TOO_SMALL),
+                        ("kStatusLayoutTooBig", buffer._STATUS_LAYOUT_TOO_BIG),
+                        ("kStatusInvalidIds", buffer._STATUS_INVALID_IDS),
+                        ("kStatusOverCapacity", buffer._STATUS_OVER_CAPACITY),
+                        ("kFlagWorstTokens", buffer._FLAG_WORST_TOKENS)):
+        assert re.search(rf"constexpr int {name} = {value};", source), name
+    assert len(buffer._META_NAMES) == META_COMPARED
 
 
 def test_minimum_covers_control_words_counts_and_meta():

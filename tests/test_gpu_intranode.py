@@ -20,6 +20,7 @@ def test_intranode_against_reference(n):
     assert len(results) == n, output[-4000:]
     for r in results:
         assert r["loops_identical"], r
+        assert r["retries"] >= 1, r  # rank 0 starts with no tokens: its first outputs are too small
         assert "hidden differs across ranks" in r["mismatch_error"], r
         assert f"outside [-1, num_experts=64) on rank(s) {n - 1}" in r["invalid_ids_error"], r
         refused = r["refused"]

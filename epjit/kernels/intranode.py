@@ -12,6 +12,8 @@ NUM_THREADS = 768  # 24 warps a block: splits evenly among 1, 2, 3, 4, 6 and 8 r
 # EPJIT_PROFILE: enum IntranodePoint of cuda_src/intranode.cu, in order (stamps per block, timeline.cuh)
 TIMELINE_POINTS = ("start", "own_copied", "first_tail", "sent", "received")
 NOTIFY_TIMELINE_POINTS = ("start", "written", "barrier", "end")  # enum NotifyPoint
+META_INTS = 8  # intranode.cuh kMetaInts: {hidden, num_experts, num_topk, flags, recv_capacity, 0, 0, 0} a rank
+META_COMPARED = 4  # kMetaCompared: the first four must agree across ranks
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class IntranodeNotifySpec(KernelSpec):
                              ("is_token_in_rank", "const bool*"), ("num_tokens", "int"), ("num_channels", "int"),
                              ("num_slots", "int"), ("hidden", "int"), ("num_topk", "int"), ("num_scales", "int"),
                              ("num_experts", "int"), ("flags", "int"), ("expert_alignment", "int"),
-                             ("num_worst_tokens", "int"), ("cached", "int"), ("invalid_ids", "const int*"),
+                             ("recv_capacity", "int"), ("cached", "int"), ("invalid_ids", "const int*"),
                              ("rank_prefix_matrix", "int*"),
                              ("channel_prefix_matrix", "int*"), ("host_out", "int*"), ("device_status", "int*"),
                              ("timeline", "uint64_t*")),
@@ -86,7 +88,7 @@ def intranode_nvl_bytes(num_ranks: int, num_channels: int, num_slots: int, hidde
                         num_scales: int, num_local_experts: int) -> int:
     """Bytes of NVLink payload the intranode kernels address (the mirror of IntranodeLayout's constructor)."""
     r, c, t, k = num_ranks, num_channels, num_slots, num_topk
-    sizes = [4 * c * r * 4, 2 * c * r * 4, r * r * 4, r * 4 * 4, c * r * t * hidden * 2, c * r * t * 4,
+    sizes = [4 * c * r * 4, 2 * c * r * 4, r * r * 4, r * META_INTS * 4, c * r * t * hidden * 2, c * r * t * 4,
              c * r * t * k * 4, c * r * t * k * 4, c * r * t * num_scales * 4, r * num_local_experts * 4]
     return sum(_align128(s) for s in sizes)
 

@@ -298,6 +298,7 @@ def main() -> int:
                 h.update(digest(d.x, d.topk_idx, c.x, c.topk_weights).encode())
             runs.append(h.hexdigest()[:16])
         result["loops_identical"] = runs[0] == runs[1]
+        result["retries"] = buf._dispatch_retries
         result["loops"] = args.loops
     finally:
         buf.close()
