@@ -1,0 +1,78 @@
+"""What the host makes of notify's words (no GPU): the rows it allocates before the counts are known, and the
+errors it raises from the status, meta and totals notify publishes (intranode.cu's host_out layout)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from epjit import ArgumentError, Buffer
+from epjit import buffer as b
+from epjit.kernels.intranode import META_INTS
+
+
+def _estimate(ranks: int, per_token: float | None, num_tokens: int) -> int:
+    return Buffer._recv_rows_estimate(SimpleNamespace(num_ranks=ranks, _recv_rows_per_token=per_token), num_tokens)
+
+
+def test_first_estimate_is_every_token_to_every_rank_then_the_last_rate_with_slack():
+    assert _estimate(4, None, 4096) == 4 * 4096
+    assert _estimate(4, None, 0) == 0
+    # 3.6 rows a token last time: 3.6 x 4096 x 17/16 + 128
+    assert _estimate(4, 3.6, 4096) == int(3.6 * 4096 * 17 / 16) + 128
+    assert _estimate(8, 5.3, 0) == 128  # an empty rank still has room for a few rows
+
+
+class _Host:
+    def __init__(self, ints: np.ndarray) -> None:
+        self._ints = ints
+
+    def view(self, dtype):
+        assert dtype is np.int32
+        return self._ints
+
+
+def _host_out(status: int, metas: list[list[int]], totals: list[int]) -> _Host:
+    r = len(metas)
+    ints = np.zeros(2 + (META_INTS + 1) * r + 4, dtype=np.int32)
+    ints[0], ints[1] = totals[0], status
+    for i, m in enumerate(metas):
+        ints[2 + i * META_INTS:2 + i * META_INTS + len(m)] = m
+    ints[2 + META_INTS * r:2 + (META_INTS + 1) * r] = totals
+    return _Host(ints)
+
+
+def _check(host: _Host, num_worst_tokens: int = 0) -> str:
+    stub = SimpleNamespace(num_ranks=2, num_nvl_bytes=1 << 20,
+                           _describe_meta=Buffer._describe_meta)
+    with pytest.raises(ArgumentError) as e:
+        Buffer._check_status(stub, host, num_worst_tokens)
+    return str(e.value)
+
+
+def test_worst_tokens_too_small_names_the_ranks_that_overflow():
+    worst = b._FLAG_WORST_TOKENS
+    host = _host_out(b._STATUS_WORST_TOO_SMALL, [[7168, 64, 8, worst, 100], [7168, 64, 8, worst, 100]], [90, 130])
+    msg = _check(host, 100)
+    assert "num_worst_tokens=100 is too small" in msg and "rank 1: 130 for 100" in msg and "rank 0" not in msg
+
+
+def test_differing_meta_is_named_but_own_bits_are_not():
+    # rank 1 used num_worst_tokens (an own bit) and another hidden size: only hidden is reported.
+    host = _host_out(b._STATUS_META_MISMATCH, [[7168, 64, 8, 0, 10], [4096, 64, 8, b._FLAG_WORST_TOKENS, 10]],
+                     [5, 5])
+    msg = _check(host)
+    assert "hidden differs across ranks: rank 0: 7168, rank 1: 4096" in msg and "flags" not in msg
+
+
+def test_over_capacity_with_a_handle_says_the_routing_changed():
+    host = _host_out(b._STATUS_OVER_CAPACITY, [[7168, 64, 8, 0, 40], [7168, 64, 8, 0, 40]], [40, 41])
+    msg = _check(host)
+    assert "does not match the handle's" in msg and "rank 1: 41 for 40" in msg
+
+
+def test_nothing_to_say_when_the_status_is_clear():
+    host = _host_out(0, [[7168, 64, 8, 0, 10], [7168, 64, 8, 0, 10]], [5, 5])
+    Buffer._check_status(SimpleNamespace(num_ranks=2, num_nvl_bytes=1), host, 0)
