@@ -755,6 +755,11 @@ class Buffer:
         x is [N, H] bf16, or a pair (x_fp8 [N, H] float8_e4m3fn, scales [N, H/128] float32). Without a handle,
         ``layout`` (from get_dispatch_layout) is required, or topk_idx plus num_experts (here or on the Buffer).
         With a handle, the routing of that earlier dispatch is replayed with no layout pass.
+
+        The outputs are allocated before the counts are known, so the GPU does not wait for this host: without
+        num_worst_tokens or a handle they are views of the first rows of arrays sized by an estimate (R x N rows
+        the first time, then the rows per token of the last call + 1/16 + 128 rows); when some rank's rows do not
+        fit, every rank runs the call again with exact sizes.
         """
         self._check_normal()
         self._check_pending()
