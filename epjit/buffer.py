@@ -866,13 +866,14 @@ class Buffer:
         # num_worst_tokens rows, a handle's exact rows, or an estimate (see _recv_rows_estimate). Notify stops the
         # call on every rank when some rank's rows would not fit; with an estimate, it then runs again with the
         # exact rows, which every rank knows by then.
+        estimated = False
         if num_worst_tokens > 0:
             capacity = num_worst_tokens
             flags |= _FLAG_WORST_TOKENS
         elif handle is not None and handle.num_recv_tokens >= 0:
             capacity = handle.num_recv_tokens
-        else:
-            capacity = self._recv_rows_estimate(num_tokens)
+        else:  # no handle, or one from a worst-token dispatch (its row count never reached the host)
+            capacity, estimated = self._recv_rows_estimate(num_tokens), True
         cupy = _cupy()
         with comm:  # CuPy allocates on the communication stream (the handle's arrays, CuPy callers' outputs)
             recv_channel_offset = cupy.empty((r, num_channels), dtype=cupy.int32)
@@ -916,7 +917,7 @@ class Buffer:
                 self._wait_for_counts(host)
                 ints = host.view(np.int32)
                 num_recv = num_rows = int(ints[0])
-                if int(ints[1]) == _STATUS_OVER_CAPACITY and handle is None and attempt == 0:
+                if int(ints[1]) == _STATUS_OVER_CAPACITY and estimated and attempt == 0:
                     capacity = num_recv  # every rank stopped; each runs again with its exact rows
                     self._dispatch_retries += 1
                     continue
