@@ -238,7 +238,10 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
         const int32_t* own = mine.meta + me * kMetaInts;
         bool same = true;
         for (int j = 0; j < kMetaInts; ++j) host_out[2 + t * kMetaInts + j] = theirs[j];
-        for (int j = 0; j < kMetaCompared; ++j) same = same && (theirs[j] & ~kOwnMetaBits) == (own[j] & ~kOwnMetaBits);
+        for (int j = 0; j < kMetaCompared; ++j) {
+            const int mask = j == 3 ? ~kOwnMetaBits : ~0;  // the own bits live in the flags word only
+            same = same && (theirs[j] & mask) == (own[j] & mask);
+        }
         if (theirs[3] & kMetaLayoutTooBig) atomicOr(&status, kStatusLayoutTooBig);
         if (theirs[3] & kMetaInvalidIds) atomicOr(&status, kStatusInvalidIds);
         if (!same) atomicOr(&status, kStatusMetaMismatch);

@@ -625,7 +625,7 @@ class Buffer:
                             f"{', '.join(map(str, ranks))}")
         if status & _STATUS_META_MISMATCH:
             for j, name in enumerate(_META_NAMES):
-                column = meta[:, j] & ~_OWN_META_BITS
+                column = meta[:, j] & ~_OWN_META_BITS if name == "flags" else meta[:, j]
                 if len(set(column.tolist())) > 1:
                     values = ", ".join(f"rank {i}: {self._describe_meta(name, int(v))}" for i, v in enumerate(column))
                     problems.append(f"{name} differs across ranks: {values}")

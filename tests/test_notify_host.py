@@ -67,6 +67,12 @@ def test_differing_meta_is_named_but_own_bits_are_not():
     assert "hidden differs across ranks: rank 0: 7168, rank 1: 4096" in msg and "flags" not in msg
 
 
+def test_sizes_that_differ_only_in_an_own_bit_still_differ():
+    # 2048 and 2056 differ in bit 3, which is an own bit of the flags word (num_worst_tokens), not of hidden.
+    host = _host_out(b._STATUS_META_MISMATCH, [[2048, 64, 8, 0, 10], [2056, 64, 8, 0, 10]], [5, 5])
+    assert "hidden differs across ranks: rank 0: 2048, rank 1: 2056" in _check(host)
+
+
 def test_over_capacity_with_a_handle_says_the_routing_changed():
     host = _host_out(b._STATUS_OVER_CAPACITY, [[7168, 64, 8, 0, 40], [7168, 64, 8, 0, 40]], [40, 41])
     msg = _check(host)
