@@ -13,6 +13,7 @@ returns, so results are ready for whatever the caller runs next on it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import sys
@@ -60,6 +61,7 @@ _META_INVALID_IDS, _META_LAYOUT_TOO_BIG = 1 << 29, 1 << 30
 _FLAG_FP8, _FLAG_WEIGHTS, _FLAG_TOPK, _FLAG_WORST_TOKENS = 1, 2, 4, 8
 _OWN_META_BITS = _META_INVALID_IDS | _META_LAYOUT_TOO_BIG | _FLAG_WORST_TOKENS  # kOwnMetaBits: need not agree
 _META_NAMES = ("hidden", "num_experts", "num_topk", "flags")
+_RATE_HISTORY = 32  # dispatches whose received rows per token size the next one's outputs (_recv_rows_estimate)
 _POISON_BYTE = 0x7F  # NaN in bf16 pairs (0x7F7F), NaN in e4m3, a huge int: never a plausible value
 
 
@@ -408,7 +410,7 @@ class Buffer:
                 self.comm_stream = cupy.cuda.Stream(non_blocking=True)
                 self._device_status = cupy.zeros(1, dtype=cupy.int32)
             self._pending_status: tuple[Event, int] | None = None  # worst-token notify not yet checked
-            self._recv_rows_per_token: float | None = None  # the last dispatch's (see _recv_rows_estimate)
+            self._recv_rates: collections.deque[float] = collections.deque(maxlen=_RATE_HISTORY)  # rows a token
             self._dispatch_retries = 0  # dispatches run again because their outputs were too small (tests read it)
             if self.num_nvl_bytes:
                 self._layout_module = jit.load(LayoutSpec(), group.device)
@@ -584,12 +586,13 @@ class Buffer:
 
     def _recv_rows_estimate(self, num_tokens: int) -> int:
         """Rows of dispatch output to allocate before the counts are known: R x N the first time (every token to
-        every rank; more arrive only when other ranks send more tokens than this one), then the rows the last call
-        received per token, times N, plus 1/16 and 128 rows (random routings vary by a few percent). Notify stops
-        the call when they do not fit, and it runs again with the exact rows."""
-        if self._recv_rows_per_token is None:
+        every rank; more arrive only when other ranks send more tokens than this one), then the most rows per
+        token of the last _RATE_HISTORY calls, times N, plus 1/16 and 128 rows. The most, not the last: one Buffer
+        serves every MoE layer of a model, each with its own routing balance, and a call that does not fit costs
+        a second notify (notify stops it on every rank and it runs again with the exact rows)."""
+        if not self._recv_rates:
             return self.num_ranks * num_tokens
-        return int(self._recv_rows_per_token * num_tokens * 17 / 16) + 128
+        return int(max(self._recv_rates) * num_tokens * 17 / 16) + 128
 
     def _dispatch_outputs(self, direct: bool, rows: int, hidden: int, num_scales: int, num_topk: int, fp8: bool,
                           with_idx: bool, with_weights: bool) -> tuple[tuple[Any, ...], Any]:
@@ -758,8 +761,8 @@ class Buffer:
 
         The outputs are allocated before the counts are known, so the GPU does not wait for this host: without
         num_worst_tokens or a handle they are views of the first rows of arrays sized by an estimate (R x N rows
-        the first time, then the rows per token of the last call + 1/16 + 128 rows); when some rank's rows do not
-        fit, every rank runs the call again with exact sizes.
+        the first time, then the most rows per token of the last 32 calls, + 1/16 + 128 rows); when some rank's
+        rows do not fit, every rank runs the call again with exact sizes.
         """
         self._check_normal()
         self._check_pending()
@@ -924,7 +927,7 @@ class Buffer:
                 self._check_status(host, 0)
                 profile.mark("host_synced")
                 if num_tokens > 0:
-                    self._recv_rows_per_token = num_recv / num_tokens
+                    self._recv_rates.append(num_recv / num_tokens)
                 if handle is not None:
                     per_expert_counts = []
                     if handle.num_recv_tokens >= 0 and num_recv != handle.num_recv_tokens:

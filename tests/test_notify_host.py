@@ -3,6 +3,7 @@ errors it raises from the status, meta and totals notify publishes (intranode.cu
 
 from __future__ import annotations
 
+import collections
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,16 +14,19 @@ from epjit import buffer as b
 from epjit.kernels.intranode import META_INTS
 
 
-def _estimate(ranks: int, per_token: float | None, num_tokens: int) -> int:
-    return Buffer._recv_rows_estimate(SimpleNamespace(num_ranks=ranks, _recv_rows_per_token=per_token), num_tokens)
+def _estimate(ranks: int, rates: list[float], num_tokens: int) -> int:
+    history = collections.deque(rates, maxlen=b._RATE_HISTORY)
+    return Buffer._recv_rows_estimate(SimpleNamespace(num_ranks=ranks, _recv_rates=history), num_tokens)
 
 
-def test_first_estimate_is_every_token_to_every_rank_then_the_last_rate_with_slack():
-    assert _estimate(4, None, 4096) == 4 * 4096
-    assert _estimate(4, None, 0) == 0
-    # 3.6 rows a token last time: 3.6 x 4096 x 17/16 + 128
-    assert _estimate(4, 3.6, 4096) == int(3.6 * 4096 * 17 / 16) + 128
-    assert _estimate(8, 5.3, 0) == 128  # an empty rank still has room for a few rows
+def test_first_estimate_is_every_token_to_every_rank_then_the_largest_recent_rate_with_slack():
+    assert _estimate(4, [], 4096) == 4 * 4096
+    assert _estimate(4, [], 0) == 0
+    # 3.6 rows a token at most lately (layers differ): 3.6 x 4096 x 17/16 + 128
+    assert _estimate(4, [3.1, 3.6, 2.9], 4096) == int(3.6 * 4096 * 17 / 16) + 128
+    assert _estimate(8, [5.3], 0) == 128  # an empty rank still has room for a few rows
+    # Only the last _RATE_HISTORY calls count: an early outlier ages out.
+    assert _estimate(4, [3.9] + [3.0] * b._RATE_HISTORY, 1000) == int(3.0 * 1000 * 17 / 16) + 128
 
 
 class _Host:
