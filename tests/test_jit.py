@@ -225,3 +225,21 @@ def test_arg_format_packs_what_pack_casts():
     for bad in [(0, 1 << 32, 1, 1, 0), (0, 1.5, 1, 1, 0), (None, 1, 1, 1, 0), (-1, 1, 1, 1, 0), (0, 1)]:
         with pytest.raises(struct.error):  # the launcher then takes pack()'s path, which names the argument
             fmt.pack_into(block, 0, *bad)
+
+
+def test_ptxas_resources_of_the_intranode_kernels(capsys):
+    """`--resources` reads ptxas's report without a GPU; the intranode kernels fit 768 threads and barely spill
+    (a fully predicated warp_copy batch once spilled 128-216 bytes in dispatch's hot loop)."""
+    from epjit.jit.compiler import ptxas_resources
+    from epjit.kernels import IntranodeSpec
+
+    res = ptxas_resources(IntranodeSpec(4, 768), "sm_90")
+    assert set(res) == {"intranode_dispatch", "intranode_combine"}, res
+    for r in res.values():
+        assert 0 < r.registers <= 65536 // 768 // 8 * 8, r  # __launch_bounds__(768, 1)
+    assert res["intranode_dispatch"].spill_stores <= 64, res["intranode_dispatch"]
+    from epjit.jit.__main__ import _print_resources  # what `python -m epjit.jit --check --resources` prints
+
+    _print_resources(IntranodeSpec(4, 768), "sm_90")
+    printed = capsys.readouterr().out
+    assert re.search(r"intranode_dispatch\s+\d+ registers, +\d+ B stack", printed), printed

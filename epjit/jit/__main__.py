@@ -1,9 +1,9 @@
 """``python -m epjit.jit --check [--arch sm_90] [--force] [--resources]``: compile and link every kernel module,
 print the times.
 
-Needs no GPU: the arch comes from --arch, EPJIT_ARCH or the current device. With --resources (needs a GPU) it also
-loads each module and prints every kernel's registers and local memory per thread: local memory in a hot kernel
-means spilled registers (DeepGEMM's ptxas check).
+Needs no GPU: the arch comes from --arch, EPJIT_ARCH or the current device. With --resources it also prints what
+ptxas reports for every kernel (registers per thread, stack frame, spill stores and loads): spills in a hot kernel
+cost local-memory traffic (DeepGEMM's ptxas check).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import sys
 import time
 
 from ..errors import EpjitError
-from .compiler import CompiledModule, compile_spec, normalize_arch
+from .compiler import compile_spec, normalize_arch, ptxas_resources
+from .spec import KernelSpec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", help="target, e.g. sm_90 (default: EPJIT_ARCH or the current GPU)")
     parser.add_argument("--force", action="store_true", help="ignore the disk cache (compile everything again)")
     parser.add_argument("--resources", action="store_true",
-                        help="load each module on the GPU and print registers and local memory per kernel")
+                        help="print ptxas's registers, stack frame and spills per kernel (no GPU needed)")
     args = parser.parse_args(argv)
     if not args.check:
         parser.print_help()
@@ -52,20 +53,17 @@ def main(argv: list[str] | None = None) -> int:
         where = "cache" if result.from_cache else "compiled" + (" + linked" if spec.USES_NVSHMEM else "")
         print(f"{spec.family:<48} {arch:<7} {result.seconds:8.2f}  {where}")
         if args.resources:
-            _print_resources(result)
+            _print_resources(spec, arch)
     print(f"{'total':<48} {arch:<7} {time.perf_counter() - total:8.2f}  {failures} failed")
     return 1 if failures else 0
 
 
-def _print_resources(result: CompiledModule) -> None:
-    import cupy
-
-    raw = cupy.RawModule(path=str(result.cubin_path))  # attributes only: nothing is launched
-    for kernel, symbol in result.lowered_names.items():
-        fn = raw.get_function(symbol)
-        spills = "  SPILLS" if fn.local_size_bytes else ""
-        print(f"    {kernel:<44} {fn.num_regs:>3} registers, {fn.local_size_bytes:>5} B local, "
-              f"{fn.shared_size_bytes:>6} B static shared{spills}")
+def _print_resources(spec: KernelSpec, arch: str) -> None:
+    linked = " (before linking NVSHMEM)" if spec.USES_NVSHMEM else ""
+    for kernel, r in ptxas_resources(spec, arch).items():
+        spills = "  SPILLS" if r.spill_stores or r.spill_loads else ""
+        print(f"    {kernel:<44} {r.registers:>3} registers, {r.stack_bytes:>4} B stack, {r.spill_stores:>4} B spill "
+              f"stores, {r.spill_loads:>4} B spill loads{linked}{spills}")
 
 
 if __name__ == "__main__":

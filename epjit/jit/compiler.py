@@ -133,7 +133,7 @@ def compile_spec(spec: KernelSpec, arch: str, *, force: bool = False) -> Compile
         names = _read_cached(cubin_path, meta_path, spec)
         if names is not None:
             return CompiledModule(spec, arch, cubin_path, names, True, time.perf_counter() - start)
-    cubin, names = _nvrtc_compile(spec, options, cubin_path)
+    cubin, names, _ = _nvrtc_compile(spec, options, cubin_path)
     if spec.USES_NVSHMEM:
         cubin = _nvjitlink(spec, arch, cubin)
     meta = {"lowered_names": names, "spec": repr(spec), "arch": arch, "options": options}
@@ -145,7 +145,43 @@ def compile_spec(spec: KernelSpec, arch: str, *, force: bool = False) -> Compile
     return CompiledModule(spec, arch, cubin_path, names, False, seconds)
 
 
-def _nvrtc_compile(spec: KernelSpec, options: list[str], cubin_path: Path) -> tuple[bytes, dict[str, str]]:
+@dataclass(frozen=True)
+class KernelResources:
+    """What ptxas reports for one kernel: registers per thread, stack frame, spill stores and loads (bytes)."""
+
+    registers: int
+    stack_bytes: int
+    spill_stores: int
+    spill_loads: int
+
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '(\S+)'")
+_PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+
+
+def ptxas_resources(spec: KernelSpec, arch: str) -> dict[str, KernelResources]:
+    """Every kernel's resources as ptxas reports them (`-Xptxas=-v` through NVRTC; no GPU needed, nothing is
+    cached). For modules that link NVSHMEM these are before nvJitLink's link."""
+    arch = normalize_arch(arch)
+    options = [*compile_options(spec, arch), "-Xptxas=-v"]
+    scratch = Path(tempfile.gettempdir()) / f"epjit-ptxas-{os.getpid()}-{spec.family}.cubin"
+    _, names, log_text = _nvrtc_compile(spec, options, scratch)
+    by_symbol = {symbol: kernel for kernel, symbol in names.items()}
+    out: dict[str, KernelResources] = {}
+    kernel, stack = None, None
+    for line in log_text.splitlines():
+        if m := _PTXAS_ENTRY.search(line):
+            kernel, stack = by_symbol.get(m.group(1)), None
+        elif kernel and (m := _PTXAS_STACK.search(line)) and stack is None:
+            stack = tuple(int(g) for g in m.groups())
+        elif kernel and stack and (m := _PTXAS_REGS.search(line)):
+            out[kernel] = KernelResources(int(m.group(1)), *stack)
+            kernel = None
+    return out
+
+
+def _nvrtc_compile(spec: KernelSpec, options: list[str], cubin_path: Path) -> tuple[bytes, dict[str, str], str]:
     from cuda.bindings import nvrtc
 
     ok = nvrtc.nvrtcResult.NVRTC_SUCCESS
@@ -184,7 +220,7 @@ def _nvrtc_compile(spec: KernelSpec, options: list[str], cubin_path: Path) -> tu
             if err != ok:
                 raise CompileError(with_rank(f"nvrtcGetLoweredName({expr}) failed: {err}"))
             names[kernel] = lowered.decode()
-        return cubin, names
+        return cubin, names, log_text
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
