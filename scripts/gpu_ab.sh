@@ -1,16 +1,27 @@
 #!/usr/bin/env bash
-# Same-machine A/B of the benchmark: an earlier revision against the working tree, alternating, because lent
-# machines differ by up to 3x in host-bound times and only rows of one run compare.
-#   here:        bash scripts/gpu_ab.sh prepare REV        (puts REV's epjit/ and cuda_src/ under .ab/, ignored)
+# Same-machine A/B of the benchmark: earlier revisions or saved variants against the working tree, alternating,
+# because lent machines differ by up to 3x in host-bound times and only rows of one run compare.
+#   here:        bash scripts/gpu_ab.sh prepare REV [NAME]   (REV's epjit/ and cuda_src/ under .ab/NAME, ignored;
+#                                                             NAME defaults to base and replaces every variant)
+#                bash scripts/gpu_ab.sh save NAME            (the working tree's epjit/ and cuda_src/ as a variant)
 #   GPU machine: source .device/setup.sh && bash scripts/gpu_ab.sh run [rounds] [bench arguments...]
-# (carry [".device", ".ab"]). Each round runs REV, then the working tree; JSON and logs under $OUT.
+# (carry [".device", ".ab"]). Each round runs every variant in name order, then the working tree; JSON and logs
+# under $OUT, then one table a variant.
 set -uo pipefail
 case ${1:-} in
   prepare)
-    rev=${2:?usage: gpu_ab.sh prepare REV}
-    rm -rf .ab && mkdir -p .ab/base && git archive "$rev" epjit cuda_src | tar -x -C .ab/base
-    git rev-parse --short "$rev" > .ab/rev
-    echo "A/B base: $(cat .ab/rev) in .ab/base";;
+    rev=${2:?usage: gpu_ab.sh prepare REV [NAME]}
+    name=${3:-base}
+    [ "$name" = base ] && rm -rf .ab
+    rm -rf ".ab/$name" && mkdir -p ".ab/$name" && git archive "$rev" epjit cuda_src | tar -x -C ".ab/$name"
+    echo "$(git rev-parse --short "$rev")" > ".ab/$name/.rev"
+    echo "A/B variant $name: $(cat ".ab/$name/.rev")";;
+  save)
+    name=${2:?usage: gpu_ab.sh save NAME}
+    rm -rf ".ab/$name" && mkdir -p ".ab/$name" && cp -r epjit cuda_src ".ab/$name/"
+    find ".ab/$name" -name __pycache__ -prune -exec rm -rf {} +
+    echo "working tree at $(git rev-parse --short HEAD) + edits" > ".ab/$name/.rev"
+    echo "A/B variant $name saved";;
   run)
     shift
     rounds=${1:-2}; shift || true
@@ -18,21 +29,21 @@ case ${1:-} in
     mkdir -p "$OUT"
     export EPJIT_CACHE_DIR=${EPJIT_CACHE_DIR:-/tmp/epjit-cache-$$}
     n=${EPJIT_BENCH_RANKS:-$(nvidia-smi -L | wc -l)}
-    (cd .ab/base && python3 -c "import epjit; print('base imports', epjit.__file__)")
+    sides=$(cd .ab && ls -d */ | tr -d /)
     for round in $(seq "$rounds"); do
-      for side in base new; do
+      for side in $sides new; do
         # Each side runs from its own tree: `python -m` puts the working directory first on sys.path, ahead of
         # PYTHONPATH, so the tree a command starts in is the epjit it imports (and launches on every rank).
         dir=$PWD
-        [ $side = base ] && dir=$PWD/.ab/base
+        [ $side = new ] || dir=$PWD/.ab/$side
         (cd "$dir" && python3 -m epjit.launch -n "$n" -m epjit.bench --json "$OUT/ab-$side-$round.json" "$@") \
           > "$OUT/ab-$side-$round.log" 2>&1 || { echo "$side round $round failed"; tail -20 "$OUT/ab-$side-$round.log"; }
       done
     done
-    for side in base new; do
-      echo "=== $side ($([ $side = base ] && cat .ab/rev || echo 'working tree'))"
+    for side in $sides new; do
+      echo "=== $side ($([ $side = new ] && echo 'working tree' || cat ".ab/$side/.rev"))"
       python3 -m epjit.bench --summary "$OUT"/ab-$side-*.json
     done
     (cd "$OUT" && tar czf ab-logs.tgz --remove-files ab-*.log ab-*.json);;
-  *) echo "usage: gpu_ab.sh prepare REV | run [rounds] [bench arguments...]"; exit 2;;
+  *) echo "usage: gpu_ab.sh prepare REV [NAME] | save NAME | run [rounds] [bench arguments...]"; exit 2;;
 esac
