@@ -8,7 +8,8 @@
 //   invalid_ids [1]                top-k entries outside [-1, E): skipped here, reported by the next notify
 //
 // One thread per token; counts go to shared memory first (one atomic per token and target there) and to global
-// memory once per block, so the result is exact and independent of scheduling. The outputs must be zeroed.
+// memory once per block, so the result is exact and independent of scheduling. The counts and invalid_ids must be
+// zeroed; is_token_in_rank need not be (every row is written whole, so the host allocates it without a memset).
 #include "types.cuh"
 
 namespace epjit {
@@ -30,6 +31,7 @@ __global__ void dispatch_layout(const int64_t* topk_idx, int num_tokens, int num
     if (t < num_tokens) {
         const int64_t* row = topk_idx + static_cast<int64_t>(t) * num_topk;
         bool* in_rank = is_token_in_rank + static_cast<int64_t>(t) * num_ranks;
+        for (int r = 0; r < num_ranks; ++r) in_rank[r] = false;  // then the ranks found below, by this thread
         // A token's distinct ranks and nodes: top-k is small (<= 16), so a quadratic look-back is cheapest.
         for (int k = 0; k < num_topk; ++k) {
             const int64_t e = row[k];

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -194,11 +195,9 @@ class _Profile:
     def report(self) -> dict[str, float]:
         """Microseconds: host time from the call's start to each mark, and GPU time between recorded events."""
         out: dict[str, float] = {}
-        if not self.marks:
-            return out
-        t0 = self.marks[0][1]
+        t0 = self.marks[0][1] if self.marks else 0.0
         last_event = None
-        for name, t, event in self.marks[1:]:
+        for name, t, event in self.marks[1:]:  # low-latency calls keep no marks, only timelines
             out[f"host:{name}"] = round((t - t0) * 1e6, 1)
             if event is not None:
                 event.synchronize()
@@ -260,17 +259,36 @@ class _MadeLayout(NamedTuple):
     num_experts: int
 
 
+class _Ints(NamedTuple):
+    """An int32 array inside a larger CuPy allocation (dispatch makes one a call for all of them): the address the
+    kernels take, and the owner that keeps the memory alive. Its CuPy view is made only when someone asks."""
+
+    owner: Any  # 1-D int32 CuPy array
+    offset: int  # in elements
+    shape: tuple[int, ...]
+    ptr: int
+
+    @staticmethod
+    def carve(owner: Any, offset: int, shape: tuple[int, ...]) -> _Ints:
+        return _Ints(owner, offset, shape, owner.data.ptr + 4 * offset)
+
+    def view(self, rows: int | None = None) -> Any:
+        shape = self.shape if rows is None else (rows, *self.shape[1:])
+        n = math.prod(shape)
+        return self.owner[self.offset:self.offset + n].reshape(shape)
+
+
 @dataclass
 class DispatchHandle:
     """Everything combine (and a cached dispatch) needs to replay a routing. Arrays are CuPy, on this GPU, except
     is_token_in_rank: the layout's array that the dispatch read (a torch tensor for torch callers)."""
 
-    rank_prefix_matrix: Any  # [R, R] int32: [i, j] = tokens ranks 0..i send to rank j
-    channel_prefix_matrix: Any  # [R, C] int32: tokens of my channels 0..c bound for rank r
-    recv_channel_offset: Any  # [R, C] int32: first received row of (source rank, channel)
-    recv_src_idx: Any  # [rows] int32: source token index of each received row
+    rank_prefix_ints: _Ints = field(repr=False)  # [R, R]: [i, j] = tokens ranks 0..i send to rank j
+    channel_prefix_ints: _Ints = field(repr=False)  # [R, C]: tokens of my channels 0..c bound for rank r
+    recv_channel_offset_ints: _Ints = field(repr=False)  # [R, C]: first received row of (source rank, channel)
+    recv_src_ints: _Ints = field(repr=False)  # [rows or more]: source token index of each received row
     is_token_in_rank: Any  # [N, R] bool
-    send_head: Any  # [N, R] int32: ring index token t took towards r (or -(next index)-1)
+    send_head_ints: _Ints = field(repr=False)  # [N, R]: ring index token t took towards r (or -(next index)-1)
     num_tokens: int
     num_recv_tokens: int  # -1 when unknown to the host (worst-token mode)
     num_rows: int  # rows of the dispatched arrays
@@ -279,6 +297,27 @@ class DispatchHandle:
     num_topk: int
     num_experts: int
     buffer_id: int = field(default=0, repr=False)
+
+    # CuPy views, made when read (a dispatch's host time is what a small batch waits for).
+    @property
+    def rank_prefix_matrix(self) -> Any:
+        return self.rank_prefix_ints.view()
+
+    @property
+    def channel_prefix_matrix(self) -> Any:
+        return self.channel_prefix_ints.view()
+
+    @property
+    def recv_channel_offset(self) -> Any:
+        return self.recv_channel_offset_ints.view()
+
+    @property
+    def recv_src_idx(self) -> Any:
+        return self.recv_src_ints.view(self.num_rows)
+
+    @property
+    def send_head(self) -> Any:
+        return self.send_head_ints.view()
 
 
 @dataclass
@@ -562,7 +601,7 @@ class Buffer:
         comes, raises as _sync would."""
         from cuda.bindings import runtime as cudart
 
-        ints = host.view(np.int32)
+        ints = host.ints
         stream_ptr = self.comm_stream.ptr
         polls = 0
         while ints[0] < 0:
@@ -595,8 +634,8 @@ class Buffer:
         return int(max(self._recv_rates) * num_tokens * 17 / 16) + 128
 
     def _dispatch_outputs(self, direct: bool, rows: int, hidden: int, num_scales: int, num_topk: int, fp8: bool,
-                          with_idx: bool, with_weights: bool) -> tuple[tuple[Any, ...], Any]:
-        """recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights (None where not asked for) and recv_src_idx."""
+                          with_idx: bool, with_weights: bool) -> tuple[Any, ...]:
+        """recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights (None where not asked for)."""
         cupy = _cupy()
         if direct:
             outs = self._torch_outputs(((rows, hidden), "float8_e4m3fn" if fp8 else "bfloat16"),
@@ -608,10 +647,31 @@ class Buffer:
                     self._empty((rows, num_scales), cupy.float32) if fp8 else None,
                     self._empty((rows, num_topk), cupy.int64) if with_idx else None,
                     self._empty((rows, num_topk), cupy.float32) if with_weights else None)
-        return outs, self._empty((rows,), cupy.int32)
+        return outs
+
+    def _dispatch_ints(self, num_channels: int, num_tokens: int, capacity: int,
+                       handle: DispatchHandle | None) -> tuple[_Ints, ...]:
+        """rank_prefix_matrix and channel_prefix_matrix (a replayed handle's), recv_channel_offset, send_head and
+        recv_src_idx of one dispatch, carved from one CuPy allocation on the communication stream: one allocation
+        and no array objects (a small batch waits for this host's time)."""
+        r = self.num_ranks
+        shapes = [(r, r), (r, num_channels)] if handle is None else []
+        shapes += [(r, num_channels), (num_tokens, r), (capacity,)]
+        offsets, total = [], 0
+        for shape in shapes:
+            offsets.append(total)
+            total += (math.prod(shape) + 63) // 64 * 64  # 256-byte aligned parts
+        cupy = _cupy()
+        with self.comm_stream:
+            owner = cupy.empty(max(total, 1), dtype=cupy.int32)
+            if self._settings.poison_outputs:
+                owner.view(cupy.uint8).fill(_POISON_BYTE)
+        base = owner.data.ptr
+        parts = tuple(_Ints(owner, o, shape, base + 4 * o) for o, shape in zip(offsets, shapes, strict=True))
+        return parts if handle is None else (handle.rank_prefix_ints, handle.channel_prefix_ints, *parts)
 
     def _check_status(self, host: MappedHostArray, num_worst_tokens: int) -> None:
-        ints = host.view(np.int32)
+        ints = host.ints
         status = int(ints[1])
         if status == 0:
             return
@@ -679,23 +739,23 @@ class Buffer:
         fw = info.framework
         caller = self._begin(previous_event)
         direct = fw == "torch" and previous_event is None  # see _torch_outputs
+        # The kernel adds into the counts: one zeroed int32 allocation holds them all (one memset, on the
+        # communication stream); it writes every row of is_token_in_rank, which needs no zeroing.
         if direct:
-            per_rank = arrays.empty("torch", (r,), "int32", dev)
-            per_expert = arrays.empty("torch", (num_experts,), "int32", dev)
+            counts = arrays.empty("torch", (r + num_experts + 1,), "int32", dev)
+            per_rank, per_expert, invalid = counts.split_with_sizes((r, num_experts, 1))
             in_rank = arrays.empty("torch", (num_tokens, r), "bool", dev)
-            invalid = arrays.empty("torch", (1,), "int32", dev)
-            ptrs = (per_rank.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr(), invalid.data_ptr())
-            memset = cupy.cuda.runtime.memsetAsync  # the kernel adds to these: zeros, on the communication stream
-            for ptr, num_bytes in zip(ptrs, (4 * r, 4 * num_experts, num_tokens * r, 4), strict=True):
-                if num_bytes:
-                    memset(ptr, 0, num_bytes, self.comm_stream.ptr)
+            base = counts.data_ptr()
+            cupy.cuda.runtime.memsetAsync(base, 0, 4 * (r + num_experts + 1), self.comm_stream.ptr)
+            ptrs = (base, base + 4 * r, in_rank.data_ptr(), base + 4 * (r + num_experts))
         else:
             with self.comm_stream:
-                per_rank = cupy.zeros(r, dtype=cupy.int32)
-                per_expert = cupy.zeros(num_experts, dtype=cupy.int32)
-                in_rank = cupy.zeros((num_tokens, r), dtype=cupy.bool_)
-                invalid = cupy.zeros(1, dtype=cupy.int32)
+                counts = cupy.zeros(r + num_experts + 1, dtype=cupy.int32)
+                per_rank, per_expert, invalid = counts[:r], counts[r:r + num_experts], counts[r + num_experts:]
+                in_rank = cupy.empty((num_tokens, r), dtype=cupy.bool_)
             ptrs = (per_rank.data.ptr, per_expert.data.ptr, in_rank.data.ptr, invalid.data.ptr)
+        if self._settings.poison_outputs and num_tokens:  # the tests: a row the kernel missed would show
+            cupy.cuda.runtime.memsetAsync(ptrs[2], _POISON_BYTE, num_tokens * r, self.comm_stream.ptr)
         if num_tokens:
             block = 256
             shared = 4 * (num_experts + 2 * r)
@@ -877,37 +937,34 @@ class Buffer:
             capacity = handle.num_recv_tokens
         else:  # no handle, or one from a worst-token dispatch (its row count never reached the host)
             capacity, estimated = self._recv_rows_estimate(num_tokens), True
-        cupy = _cupy()
-        with comm:  # CuPy allocates on the communication stream (the handle's arrays, CuPy callers' outputs)
-            recv_channel_offset = cupy.empty((r, num_channels), dtype=cupy.int32)
-            send_head = cupy.empty((num_tokens, r), dtype=cupy.int32)
-            if handle is None:
-                rank_prefix = cupy.empty((r, r), dtype=cupy.int32)
-                channel_prefix = cupy.empty((r, num_channels), dtype=cupy.int32)
-                invalid = _address(layout.invalid_ids)
-            else:
-                in_rank = in_rank_kept = handle.is_token_in_rank
-                in_rank = _address(in_rank)
-                rank_prefix, channel_prefix = handle.rank_prefix_matrix, handle.channel_prefix_matrix
-                per_rank = per_expert = invalid = 0
+        if handle is None:
+            invalid = _address(layout.invalid_ids)
+        else:
+            in_rank = in_rank_kept = handle.is_token_in_rank
+            in_rank = _address(in_rank)
+            per_rank = per_expert = invalid = 0
+        host_ints = host.ints
+        with comm:  # CuPy allocates on the communication stream (the handle's ints, CuPy callers' outputs)
             for attempt in range(2):
-                outs, recv_src = self._dispatch_outputs(direct, capacity, hidden, num_scales, num_topk, fp8,
-                                                        idx_arg is not None, w_arg is not None)
+                rank_prefix, channel_prefix, recv_channel_offset, send_head, recv_src = self._dispatch_ints(
+                    num_channels, num_tokens, capacity, handle)
+                outs = self._dispatch_outputs(direct, capacity, hidden, num_scales, num_topk, fp8,
+                                              idx_arg is not None, w_arg is not None)
                 profile.mark("allocated", comm)
-                host.view(np.int32)[:2] = (-1, 0)
+                host_ints[0], host_ints[1] = -1, 0
                 self._notify_module.launch(
                     "intranode_notify", 1 + r, 128, table, per_rank, per_expert, in_rank, num_tokens, num_channels,
                     config.nvl_chunk_recv, hidden, num_topk, num_scales, num_experts_, flags, expert_alignment,
-                    capacity, int(handle is not None), invalid, rank_prefix.data.ptr, channel_prefix.data.ptr,
+                    capacity, int(handle is not None), invalid, rank_prefix.ptr, channel_prefix.ptr,
                     host.device_ptr, status, profile.timeline("notify", 1 + r, NOTIFY_TIMELINE_POINTS),
                     stream=comm)
                 profile.mark("notify", comm)
                 self._main_module.launch(
                     "intranode_dispatch", num_channels, NUM_THREADS, table, x_arg, scales_arg,
                     0 if idx_arg is None else idx_arg, 0 if w_arg is None else w_arg, in_rank,
-                    channel_prefix.data.ptr, rank_prefix.data.ptr, status, _address(outs[0]), _address(outs[1]),
-                    recv_src.data.ptr, _address(outs[2]), _address(outs[3]), recv_channel_offset.data.ptr,
-                    send_head.data.ptr, num_tokens, hidden, hidden * (1 if fp8 else 2) // 16, num_scales, num_topk,
+                    channel_prefix.ptr, rank_prefix.ptr, status, _address(outs[0]), _address(outs[1]),
+                    recv_src.ptr, _address(outs[2]), _address(outs[3]), recv_channel_offset.ptr,
+                    send_head.ptr, num_tokens, hidden, hidden * (1 if fp8 else 2) // 16, num_scales, num_topk,
                     num_experts_, num_channels, config.nvl_chunk_recv, config.nvl_chunk_send, num_worst_tokens,
                     profile.timeline("dispatch", num_channels, NORMAL_TIMELINE_POINTS), stream=comm)
                 profile.mark("dispatch", comm)
@@ -918,9 +975,8 @@ class Buffer:
                     num_rows, num_recv, per_expert_counts = num_worst_tokens, -1, []
                     break
                 self._wait_for_counts(host)
-                ints = host.view(np.int32)
-                num_recv = num_rows = int(ints[0])
-                if int(ints[1]) == _STATUS_OVER_CAPACITY and estimated and attempt == 0:
+                num_recv = num_rows = int(host_ints[0])
+                if int(host_ints[1]) == _STATUS_OVER_CAPACITY and estimated and attempt == 0:
                     capacity = num_recv  # every rank stopped; each runs again with its exact rows
                     self._dispatch_retries += 1
                     continue
@@ -935,10 +991,10 @@ class Buffer:
                                                    f"{handle.num_recv_tokens}"))
                 else:
                     lo = 2 + (META_INTS + 1) * r
-                    per_expert_counts = ints[lo:lo + num_experts_ // r].tolist()
-                if num_rows < capacity:  # views of the rows that arrived
-                    outs = tuple(o[:num_rows] if o is not None else None for o in outs)
-                    recv_src = recv_src[:num_rows]
+                    per_expert_counts = host_ints[lo:lo + num_experts_ // r].tolist()
+                if num_rows < capacity:  # views of the rows that arrived (narrow: torch's cheapest view)
+                    outs = tuple(None if o is None else o.narrow(0, 0, num_rows) if direct else o[:num_rows]
+                                 for o in outs)
                 break
         if num_worst_tokens > 0 and not _capturing():
             self._pending_status = (event, num_worst_tokens)
@@ -1023,8 +1079,8 @@ class Buffer:
         profile.mark("prepare", comm)
         self._main_module.launch(
             "intranode_combine", handle.num_channels, NUM_THREADS, table, y_arg, 0 if w_arg is None else w_arg,
-            biases[0] if biases else 0, biases[1] if len(biases) > 1 else 0, handle.rank_prefix_matrix.data.ptr,
-            handle.recv_channel_offset.data.ptr, handle.send_head.data.ptr, _address(out), _address(out_w),
+            biases[0] if biases else 0, biases[1] if len(biases) > 1 else 0, handle.rank_prefix_ints.ptr,
+            handle.recv_channel_offset_ints.ptr, handle.send_head_ints.ptr, _address(out), _address(out_w),
             handle.num_tokens, handle.hidden, handle.num_topk, handle.num_channels, config.nvl_chunk_recv,
             config.nvl_chunk_send, profile.timeline("combine", handle.num_channels, NORMAL_TIMELINE_POINTS),
             stream=comm)
@@ -1081,9 +1137,9 @@ class Buffer:
         self._check_open()
         if self._ll is None:
             raise EpjitError(with_rank("this Buffer was not made with low_latency_mode=True"))
-        status = int(self._ll.host_status.view(np.int32)[0])
+        status = int(self._ll.host_status.ints[0])
         if status:
-            self._ll.host_status.view(np.int32)[0] = 0
+            self._ll.host_status.ints[0] = 0
             problems = []
             if status & STATUS_INVALID_IDS:
                 problems.append(f"topk_idx had entries outside [-1, num_experts={self.num_experts}) (skipped)")
@@ -1346,7 +1402,7 @@ class Buffer:
             cupy.cuda.runtime.memset(heap.base, 0, low_latency_size_hint(
                 self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_ranks, self.num_experts))
             cupy.cuda.runtime.deviceSynchronize()
-        ll.host_status.view(np.int32)[0] = 0
+        ll.host_status.ints[0] = 0
         ll.next_set = 0
         ll.pending = [None, None]
         self.group.barrier()
