@@ -992,9 +992,8 @@ class Buffer:
                 else:
                     lo = 2 + (META_INTS + 1) * r
                     per_expert_counts = host_ints[lo:lo + num_experts_ // r].tolist()
-                if num_rows < capacity:  # views of the rows that arrived (narrow: torch's cheapest view)
-                    outs = tuple(None if o is None else o.narrow(0, 0, num_rows) if direct else o[:num_rows]
-                                 for o in outs)
+                if num_rows < capacity:  # views of the rows that arrived
+                    outs = tuple(o[:num_rows] if o is not None else None for o in outs)
                 break
         if num_worst_tokens > 0 and not _capturing():
             self._pending_status = (event, num_worst_tokens)

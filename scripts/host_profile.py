@@ -20,6 +20,37 @@ import torch
 import epjit
 
 
+def _steps(buf: epjit.Buffer, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, tokens: int) -> None:
+    """Rank 0 alone: the host-side steps of a dispatch, each timed on its own (no kernel runs)."""
+    from epjit import arrays
+
+    dev = buf.group.device
+    handle_ints = buf._dispatch_ints(24, tokens, 2 * tokens, None)
+    steps = {
+        "arrays.check(x)": lambda: arrays.check(x, "x", dtype="bfloat16", ndim=2, device=dev),
+        "arrays.check(topk_idx)": lambda: arrays.check(idx, "topk_idx", dtype="int64",
+                                                       shape=(("N", tokens), "K"), device=dev),
+        "_begin": lambda: buf._begin(None),
+        "_dispatch_ints": lambda: buf._dispatch_ints(24, tokens, 2 * tokens, None),
+        "_dispatch_outputs (3 torch.empty)": lambda: buf._dispatch_outputs(True, 2 * tokens, x.shape[1], 0, 8, False,
+                                                                          True, True),
+        "torch.empty bf16 rows": lambda: torch.empty((2 * tokens, x.shape[1]), dtype=torch.bfloat16, device="cuda"),
+        "narrow": lambda: x.narrow(0, 0, tokens // 2),
+        "x[:n]": lambda: x[:tokens // 2],
+        "_finish": lambda: buf._finish(buf._begin(None), False),
+        "handle view (cupy slice+reshape)": lambda: handle_ints[3].view(),
+        "pure python: 100 adds": lambda: sum(range(100)),
+    }
+    for name, step in steps.items():
+        for _ in range(50):
+            step()
+        start = time.perf_counter()
+        for _ in range(500):
+            step()
+        print(f"  step {name:<36} {(time.perf_counter() - start) * 1e6 / 500:7.1f} us", flush=True)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
@@ -56,6 +87,9 @@ def main() -> None:
                 if group.rank == 0:
                     print(f"{tokens:>5} tokens {name:<17} host {statistics.median(times):7.1f} us median, "
                           f"{min(times):7.1f} min", flush=True)
+            if group.rank == 0:
+                _steps(buf, x, idx, w, tokens)
+            group.barrier()
             for name in ("dispatch", "combine"):
                 prof = cProfile.Profile()
                 for _ in range(args.calls):
