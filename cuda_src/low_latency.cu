@@ -1,23 +1,28 @@
 // Low-latency dispatch and combine for decode (DeepEP's low-latency kernels; seed 000, seed 004).
 //
-// No count round trip: every (local expert, source rank) pair owns M = num_max_dispatch_tokens_per_rank message
-// slots in the symmetric heap of the expert's rank (layout: low_latency.cuh), so a source writes each message at
-// an address it computes alone.
+// No count round trip: every (source rank, token) owns a message slot in the symmetric heap of each rank, and
+// every (local expert, source rank) M = num_max_dispatch_tokens_per_rank rows of the receive arrays (layout:
+// low_latency.cuh), so a source writes each message, and names each of its rows, at places it computes alone.
 //
 //   dispatch send   block b takes tokens b, b + grid, ...: the block stages the token (FP8-quantised, or bf16) in
-//                   shared memory, then warp k writes it to expert topk_idx[t][k]: into slot i of (expert, me),
-//                   where i counts the earlier (token, k) of this rank naming that expert, so the slot order is
-//                   the token order and repeated runs are bit-identical (topk_idx is staged in shared memory
-//                   for that count). Direct NVLink stores through nvshmem_ptr's pointer, or an NVSHMEM warp put
-//                   where there is none (two staging buffers: the next token is quantised while this one is
-//                   sent). After its last token each sending warp bumps the local sent counter of every expert
-//                   it wrote to, behind one gpu-scope fence (a put path quiets first); a warp per expert counts
-//                   what this rank sends it, waits for the counter to reach that, then writes the count as
-//                   -(n+1) with a system-scope release (or an NVSHMEM signal), so the count's arrival proves the
-//                   data landed and no sending warp pays a system fence of its own (DeepEP's finish counters).
-//   dispatch recv   W warps per (local expert, source): wait for the counts of all sources of the expert (the
-//                   prefix over sources is where this source's block starts), copy its messages into
-//                   recv_x [L][R*M][H] and fill recv_count, layout_range and src_info.
+//                   shared memory, then warp w writes it once to the w-th distinct rank among its experts': into
+//                   message slot (me, t) of that rank, with one entry per (t, k) there naming its row: slot i of
+//                   (local expert, me), where i counts the earlier (token, k) of this rank naming that expert, so
+//                   the slot order is the token order and repeated runs are bit-identical (topk_idx is staged in
+//                   shared memory for that count). NVLink carries a token once per rank, not once per expert (at
+//                   top-8 of 256 experts a chosen rank holds ~2.2 of them on 4 ranks, ~4 on 2). Direct NVLink
+//                   stores through nvshmem_ptr's pointer, or NVSHMEM warp puts where there is none (two staging
+//                   buffers: the next token is quantised while this one is sent). After its last token each
+//                   sending warp bumps the local sent counter of every expert its messages named, behind one
+//                   gpu-scope fence (a put path quiets first); a warp per expert counts what this rank sends it,
+//                   waits for the counter to reach that, then writes the count as -(n+1) with a system-scope
+//                   release (or an NVSHMEM signal), so the count's arrival proves the data landed and no sending
+//                   warp pays a system fence of its own (DeepEP's finish counters).
+//   dispatch recv   every block waits for the counts of every (local expert, source) (the prefix over sources is
+//                   where a source's rows begin; any count of a source proves all its messages landed), then a
+//                   warp a message slot: a header stamped with this call's epoch is a message, copied into the
+//                   rows of recv_x [L][R*M][H] its entries name, with src_info and the top-k slot; block 0 fills
+//                   recv_count and layout_range.
 //   combine send    W warps per (local expert, source): each received row of y goes back to slot (token, k) of
 //                   its home rank; after the last row of the pair, one flag for the expert.
 //   combine recv    wait for the flags of every expert, then each block sums its tokens' top-k slots with the
@@ -74,13 +79,13 @@ __device__ __forceinline__ uint64_t epoch_signal(int epoch, uint32_t value) {
 
 __device__ __forceinline__ int signal_epoch(uint64_t word) { return static_cast<int>(word >> 32); }
 
-// Warps per (local expert, source) pair: a power of two, all in one block; as many as the grid allows.
-// `barrier_friendly` leaves out 2 (16 groups a block would need named barriers 1..16; there are 15).
-__device__ __forceinline__ int warps_per_pair(int num_pairs, bool barrier_friendly) {
+// Warps per (local expert, source) pair (combine's send half): a power of two, all in one block; as many as the
+// grid allows, but not 2 (16 groups a block would need named barriers 1..16; there are 15).
+__device__ __forceinline__ int warps_per_pair(int num_pairs) {
     const int total = static_cast<int>(gridDim.x) * kLowLatencyWarps;
     int w = 1;
     while (w < kLowLatencyWarps && 2 * w * num_pairs <= total) w *= 2;
-    return barrier_friendly && w == 2 ? 1 : w;
+    return w == 2 ? 1 : w;
 }
 
 // Every block calls this last. The last block to finish publishes the status and, after a receive half,
@@ -185,48 +190,65 @@ __device__ __forceinline__ int message_slot(const int* topk_experts, int t, int 
     return warp_sum(slot);
 }
 
-// Warp `k` of the block sends token t (staged in shared memory) to its k-th expert, into `slot`. Nothing waits
-// here: the warp releases its messages once, after its last token (see the dispatch kernel).
-__device__ __forceinline__ void send_to_expert(const PeersTable* peers, const LowLatencyLayout& lay,
-                                              const int* topk_experts, const int4* payload, int payload_int4,
-                                              int t, int k, int slot, int num_topk, int num_experts, int max_tokens,
-                                              int meta, int force_puts, LowLatencySync* sync, int lane) {
-    const int expert = topk_experts[t * num_topk + k];
-    if (expert < 0) return;
-    if (slot >= max_tokens) {
-        if (lane == 0) atomicOr(&sync->status, kLowLatencySlotOverflow);
-        return;
-    }
-    const int num_local = num_experts / peers->num_ranks;
-    const int dst = expert / num_local;
-    int4* mine = lay.dispatch_slot(expert % num_local, peers->rank, slot);
-    const int4 header = make_int4(t, k, meta, 0);
+// The rank of a token's w-th distinct destination, in top-k order, or -1 when it has fewer (experts: its top-k,
+// -1 for none). Whole warp: lane k looks at the k-th choice; a rank's first lane marks it.
+__device__ __forceinline__ int nth_rank(const int* experts, int num_topk, int num_local, int w, int lane) {
+    const int expert = lane < num_topk ? experts[lane] : -1;
+    const int rank = expert >= 0 ? expert / num_local : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, rank);
+    unsigned firsts = __ballot_sync(0xffffffffu, rank >= 0 && (same & ((1u << lane) - 1)) == 0);
+    if (__popc(firsts) <= w) return -1;
+    for (int i = 0; i < w; ++i) firsts &= firsts - 1;
+    return __shfl_sync(0xffffffffu, rank, __ffs(firsts) - 1);
+}
+
+// Warp w of the block sends token t (staged in shared memory) to the w-th distinct rank among its experts': one
+// message into slot (me, t) of that rank, with an entry per (t, k) there (`slots`: the token's slot at each k's
+// expert). An entry whose slot is past max_tokens is dropped (and reported); a message left with no entry is not
+// sent. Nothing waits here: the warp releases its messages once, after its last token (see the dispatch kernel).
+__device__ __forceinline__ void send_to_rank(const PeersTable* peers, const LowLatencyLayout& lay,
+                                            const int* topk_experts, const int* slots, const int4* payload,
+                                            int payload_int4, int t, int w, int num_topk, int num_local,
+                                            int max_tokens, int meta, int epoch, int force_puts,
+                                            LowLatencySync* sync, int lane) {
+    const int* experts = topk_experts + t * num_topk;
+    const int dst = nth_rank(experts, num_topk, num_local, w, lane);
+    if (dst < 0) return;
+    const int expert = lane < num_topk ? experts[lane] : -1;
+    const bool on_dst = expert >= 0 && expert / num_local == dst;
+    const int slot = on_dst ? slots[lane] : 0;
+    if (on_dst && slot >= max_tokens) atomicOr(&sync->status, kLowLatencySlotOverflow);
+    const bool entry = on_dst && slot < max_tokens;
+    const unsigned entries = __ballot_sync(0xffffffffu, entry);
+    if (entries == 0) return;
+    int4* mine = lay.dispatch_slot(peers->rank, t);
     int4* remote = force_puts ? nullptr : on_peer(peers, mine, dst);
+    int4* header = remote != nullptr ? remote : lay.staging_header(t, dst);  // NVSHMEM puts read the staged one
+    if (lane == 0) ptx::st_global_L1_no_allocate_v4(header, make_int4(t, meta, __popc(entries), epoch));
+    if (entry)
+        reinterpret_cast<int2*>(header + 1)[__popc(entries & ((1u << lane) - 1))] =
+            make_int2(expert % num_local, slot << 4 | lane);
     if (remote != nullptr) {
-        if (lane == 0) ptx::st_global_L1_no_allocate_v4(remote, header);
-        for (int i = lane; i < payload_int4; i += 32) ptx::st_global_L1_no_allocate_v4(remote + 1 + i, payload[i]);
+        for (int i = lane; i < payload_int4; i += 32)
+            ptx::st_global_L1_no_allocate_v4(remote + kLowLatencyHeaderInt4 + i, payload[i]);
     } else {
-        int4* staged_header = lay.staging_headers + static_cast<int64_t>(t) * kLowLatencyMaxTopk + k;
-        if (lane == 0) *staged_header = header;
         __syncwarp();
-        nvshmemx_putmem_nbi_warp(mine, staged_header, kLowLatencyHeaderBytes, dst);
-        nvshmemx_putmem_nbi_warp(mine + 1, lay.staging + t * lay.msg_bytes, payload_int4 * 16, dst);
+        nvshmemx_putmem_nbi_warp(mine, header, kLowLatencyHeaderBytes, dst);
+        nvshmemx_putmem_nbi_warp(mine + kLowLatencyHeaderInt4, lay.staging + t * lay.msg_bytes, payload_int4 * 16,
+                                 dst);
     }
 }
 
-// One received message into its row: payload int4 below data_int4 go to recv_x's row, the rest are the FP8
-// scales (num_scales floats) for recv_scales' row, as floats or UE8M0 bytes. Lane 0 loads the header with the
-// first batch, and each batch's loads are all issued before its stores, so a 7168-channel FP8 message costs two
-// round trips to memory, not five. A message from a peer with other sizes is copied all the same (it stays in
-// the slot's bounds); the caller reports the header's mismatch and the host refuses the results.
-__device__ __forceinline__ int4 receive_message(const int4* msg, int payload_int4, int data_int4, int4* x_row,
-                                                void* recv_scales, int64_t row, int num_scales, bool ue8m0,
-                                                int lane) {
+// One received message's payload into the rows of its entries (entry j's row is lane j's `my_row`, j < num_rows):
+// payload int4 below data_int4 go to recv_x's row, the rest are the FP8 scales (num_scales floats) for
+// recv_scales' row, as floats or UE8M0 bytes. Each batch's loads are all issued before its stores, and a batch is
+// loaded once for every row it goes to, so a 7168-channel FP8 message costs two round trips to memory.
+__device__ __forceinline__ void receive_message(const int4* payload, int payload_int4, int data_int4, int4* recv_x,
+                                                void* recv_scales, int64_t my_row, int num_rows, int num_scales,
+                                                bool ue8m0, int lane) {
     constexpr int kInFlight = 8;  // 32 registers of 64 (1024 threads a block)
     const bool vector_scales = num_scales % 4 == 0;  // scales fill whole int4 (hidden % 512 == 0)
     const int loaded = vector_scales ? payload_int4 : data_int4;
-    const int4 header = lane == 0 ? ptx::ld_volatile_global_v4(msg) : make_int4(0, 0, 0, 0);
-    const int4* payload = msg + 1;
     for (int base = 0; base < loaded; base += 32 * kInFlight) {
         int4 v[kInFlight];
 #pragma unroll
@@ -234,36 +256,43 @@ __device__ __forceinline__ int4 receive_message(const int4* msg, int payload_int
             const int i = base + lane + 32 * j;
             if (i < loaded) v[j] = ptx::ld_volatile_global_v4(payload + i);
         }
+        for (int r = 0; r < num_rows; ++r) {
+            const int64_t row = __shfl_sync(0xffffffffu, my_row, r);
+            int4* x_row = recv_x + row * data_int4;
 #pragma unroll
-        for (int j = 0; j < kInFlight; ++j) {
-            const int i = base + lane + 32 * j;
-            if (i < data_int4) {
-                ptx::st_global_L1_no_allocate_v4(x_row + i, v[j]);
-            } else if (i < loaded) {
-                const int word = i - data_int4;  // scales 4 * word .. 4 * word + 3
-                if (ue8m0) {
-                    const uint32_t packed = static_cast<uint32_t>(ue8m0_of(__int_as_float(v[j].x))) |
-                                            static_cast<uint32_t>(ue8m0_of(__int_as_float(v[j].y))) << 8 |
-                                            static_cast<uint32_t>(ue8m0_of(__int_as_float(v[j].z))) << 16 |
-                                            static_cast<uint32_t>(ue8m0_of(__int_as_float(v[j].w))) << 24;
-                    reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(recv_scales) + row * num_scales)[word] = packed;
-                } else {
-                    reinterpret_cast<int4*>(static_cast<float*>(recv_scales) + row * num_scales)[word] = v[j];
+            for (int j = 0; j < kInFlight; ++j) {
+                const int i = base + lane + 32 * j;
+                if (i < data_int4) {
+                    ptx::st_global_L1_no_allocate_v4(x_row + i, v[j]);
+                } else if (i < loaded) {
+                    const int word = i - data_int4;  // scales 4 * word .. 4 * word + 3
+                    if (ue8m0) {
+                        const uint32_t packed = static_cast<uint32_t>(ue8m0_of(__int_as_float(v[j].x))) |
+                                                static_cast<uint32_t>(ue8m0_of(__int_as_float(v[j].y))) << 8 |
+                                                static_cast<uint32_t>(ue8m0_of(__int_as_float(v[j].z))) << 16 |
+                                                static_cast<uint32_t>(ue8m0_of(__int_as_float(v[j].w))) << 24;
+                        reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(recv_scales) + row * num_scales)[word] =
+                            packed;
+                    } else {
+                        reinterpret_cast<int4*>(static_cast<float*>(recv_scales) + row * num_scales)[word] = v[j];
+                    }
                 }
             }
         }
     }
     if (!vector_scales) {
         const auto* scales = reinterpret_cast<const float*>(payload + data_int4);
-        for (int c = lane; c < num_scales; c += 32) {
-            const float scale = ld_volatile_f32(scales + c);
-            if (ue8m0)
-                static_cast<uint8_t*>(recv_scales)[row * num_scales + c] = ue8m0_of(scale);
-            else
-                static_cast<float*>(recv_scales)[row * num_scales + c] = scale;
+        for (int r = 0; r < num_rows; ++r) {
+            const int64_t row = __shfl_sync(0xffffffffu, my_row, r);
+            for (int c = lane; c < num_scales; c += 32) {
+                const float scale = ld_volatile_f32(scales + c);
+                if (ue8m0)
+                    static_cast<uint8_t*>(recv_scales)[row * num_scales + c] = ue8m0_of(scale);
+                else
+                    static_cast<float*>(recv_scales)[row * num_scales + c] = scale;
+            }
         }
     }
-    return header;
 }
 
 __global__ void __launch_bounds__(kLowLatencyThreads, 1)
@@ -282,9 +311,12 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
     const int x_int4 = hidden / 8;  // a bf16 row
     const int payload_int4 = fp8 ? (hidden + num_scales * 4 + 15) / 16 : x_int4;
     // Dynamic shared memory: two tokens' payloads (bf16 size each, one staged while one is sent), then topk_idx
-    // as int32 (-1 for no expert or an id out of range), which every slot and count below scans.
+    // as int32 (-1 for no expert or an id out of range), which every slot and count below scans, then the
+    // receive half's count and first row of every (local expert, source) pair.
     extern __shared__ int4 staged[];
     int* topk_experts = reinterpret_cast<int*>(staged + 2 * x_int4);
+    int* pair_count = topk_experts + num_tokens * num_topk;
+    int* pair_begin = pair_count + num_local * num_ranks;
     int32_t* expert_sent = expert_sent_counters(sync);
     if (!layout_fits(peers, lay, sync)) phases = 0;
     timeline_mark(timeline, kAtStart);
@@ -330,28 +362,27 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
                 __syncthreads();
             }
             if (warp < num_topk)
-                send_to_expert(peers, lay, topk_experts, payload, payload_int4, t, warp,
-                               token_slots[i_token & 1][warp], num_topk, num_experts, max_tokens, meta, force_puts,
-                               sync, lane);
+                send_to_rank(peers, lay, topk_experts, token_slots[i_token & 1], payload, payload_int4, t, warp,
+                             num_topk, num_local, max_tokens, meta, epoch, force_puts, sync, lane);
         }
         if (i_token == 0) {  // a block without tokens still writes counts into the peers' set
             wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)");
             timeline_mark(timeline, kAtAcks);
         }
         // Each sending warp releases its messages once, after its last token: every lane's stores (a put path
-        // quiets first), one gpu-scope fence, then a bump of each expert's counter for every (token, k) it
-        // handled, sent or dropped. The count-sender's acquire of the counter and its system-scope release of the
-        // count carry the stores to the receiver (causality is transitive), so no sending warp pays a system
-        // fence.
+        // quiets first), one gpu-scope fence, then a bump of each expert's counter for every (token, k) of the
+        // ranks it sent to, sent or dropped (warp w took each token's w-th rank: each (token, k) is one warp's).
+        // The count-sender's acquire of the counter and its system-scope release of the count carry the stores
+        // to the receiver (causality is transitive), so no sending warp pays a system fence.
         if (warp < num_topk) {
             if (puts) nvshmem_quiet();
             __syncwarp();
-            if (lane == 0) {
-                ptx::fence_acq_rel_gpu();
-                for (int t = static_cast<int>(blockIdx.x); t < num_tokens; t += static_cast<int>(gridDim.x)) {
-                    const int expert = topk_experts[t * num_topk + warp];
-                    if (expert >= 0) atomicAdd(expert_sent + expert, 1);
-                }
+            ptx::fence_acq_rel_gpu();  // each lane's bumps below come after every store of the warp
+            for (int t = static_cast<int>(blockIdx.x); t < num_tokens; t += static_cast<int>(gridDim.x)) {
+                const int* experts = topk_experts + t * num_topk;
+                const int dst = nth_rank(experts, num_topk, num_local, warp, lane);
+                const int expert = lane < num_topk ? experts[lane] : -1;
+                if (dst >= 0 && expert >= 0 && expert / num_local == dst) atomicAdd(expert_sent + expert, 1);
             }
         }
         timeline_mark(timeline, kAtSent);
@@ -385,55 +416,73 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
     }
 
     if (phases & kPhaseRecv) {
+        // Every block waits for the count of every (local expert, source): a message may hold rows of any of my
+        // experts, each placed after the rows of the sources before its own; and the arrival of any count of a
+        // source proves that every message it sent me landed (its count-senders waited for all of them).
+        // A thread a word (one warp polling 8 words a lane took 2.5 us longer: each poll is a round trip).
         const int num_pairs = num_local * num_ranks;
-        const int w = warps_per_pair(num_pairs, false);
-        const int global_warp = static_cast<int>(blockIdx.x) * kLowLatencyWarps + warp;
-        const int sub = global_warp % w;
-        const int64_t rows_per_expert = static_cast<int64_t>(num_ranks) * max_tokens;
-        for (int pair = global_warp / w; pair < num_pairs; pair += static_cast<int>(gridDim.x) * kLowLatencyWarps / w) {
+        for (int pair = static_cast<int>(threadIdx.x); pair < num_pairs; pair += kLowLatencyThreads) {
             const int e = pair / num_ranks, src = pair % num_ranks;
-            // Counts of every source of expert e: the sources before `src` say where its block begins.
-            int begin = 0, total = 0, n = 0;
-            for (int base = 0; base < num_ranks; base += 32) {
-                const int s = base + lane;
-                int count = 0;
-                if (s < num_ranks) {
-                    const uint64_t* word = lay.counts + static_cast<int64_t>(e) * num_ranks + s;
-                    uint64_t seen_word = 0;
-                    timeout_while(peers, WaitSite{"ll_dispatch: count of local expert (channel) from peer", s, e,
-                                                  epoch},
-                                  [&](int64_t& seen) {
-                                      seen_word = ptx::ld_acquire_sys_u64(word);
-                                      seen = signal_epoch(seen_word);
-                                      return seen != epoch;
-                                  });
-                    count = -static_cast<int>(static_cast<uint32_t>(seen_word)) - 1;
-                }
-                begin += warp_sum(s < src ? count : 0);
-                total += warp_sum(count);
-                const int from = __shfl_sync(0xffffffffu, count, src & 31);
-                if (src >= base && src < base + 32) n = from;
+            uint64_t seen_word = 0;
+            timeout_while(peers, WaitSite{"ll_dispatch: count of local expert (channel) from peer", src, e, epoch},
+                          [&](int64_t& seen) {
+                              seen_word = ptx::ld_acquire_sys_u64(lay.counts + pair);
+                              seen = signal_epoch(seen_word);
+                              return seen != epoch;
+                          });
+            pair_count[pair] = -static_cast<int>(static_cast<uint32_t>(seen_word)) - 1;
+        }
+        __syncthreads();
+        for (int e = static_cast<int>(threadIdx.x); e < num_local; e += kLowLatencyThreads) {
+            int begin = 0;
+            for (int src = 0; src < num_ranks; ++src) {
+                const int pair = e * num_ranks + src, n = pair_count[pair];
+                pair_begin[pair] = begin;
+                if (blockIdx.x == 0) layout_range[pair] = (static_cast<int64_t>(begin) << 32) | static_cast<uint32_t>(n);
+                begin += n;
             }
-            if (pair == global_warp / w) timeline_mark(timeline, kAtCounts);
-            if (sub == 0 && lane == 0) {
-                layout_range[pair] = (static_cast<int64_t>(begin) << 32) | static_cast<uint32_t>(n);
-                if (src == 0) {
-                    recv_count[e] = total;
-                    if (cumulative_stats != nullptr) atomicAdd(cumulative_stats + e, total);
-                }
+            if (blockIdx.x == 0) {
+                recv_count[e] = begin;
+                if (cumulative_stats != nullptr) atomicAdd(cumulative_stats + e, begin);
             }
-            for (int i = sub; i < n; i += w) {
-                const int64_t row = e * rows_per_expert + begin + i;
-                const int data_int4 = fp8 ? hidden / 16 : x_int4;
-                const int4 header = receive_message(lay.dispatch_slot(e, src, i), payload_int4, data_int4,
-                                                    recv_x + row * data_int4, recv_scales, row,
-                                                    fp8 ? num_scales : 0, flags & kFlagUe8m0, lane);
-                if (lane == 0) {
-                    if (header.z != meta) atomicOr(&sync->status, kLowLatencyMetaMismatch);
-                    recv_src_info[row] = header.x;
-                    recv_topk_slot[row] = header.y;
-                }
+        }
+        __syncthreads();
+        timeline_mark(timeline, kAtCounts);
+        // A warp a message slot (source, token), consecutive slots in different blocks (an SM copies ~47 GB/s
+        // whatever its warps do: 32 messages in one block took 18 us): the header says whether this call wrote it
+        // (its epoch) and which rows take its payload.
+        const int data_int4 = fp8 ? hidden / 16 : x_int4;
+        const int64_t rows_per_expert = static_cast<int64_t>(num_ranks) * max_tokens;
+        const int num_warps = static_cast<int>(gridDim.x) * kLowLatencyWarps;
+        for (int q = warp * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x); q < num_ranks * max_tokens;
+             q += num_warps) {
+            const int src = q / max_tokens;
+            const int4* msg = lay.dispatch_slot(src, q % max_tokens);
+            const int4 head = lane < kLowLatencyHeaderInt4 ? ptx::ld_volatile_global_v4(msg + lane)
+                                                           : make_int4(0, 0, 0, 0);
+            if (__shfl_sync(0xffffffffu, head.w, 0) != epoch) continue;  // not a message of this call
+            const int token = __shfl_sync(0xffffffffu, head.x, 0), seen_meta = __shfl_sync(0xffffffffu, head.y, 0);
+            const int n = __shfl_sync(0xffffffffu, head.z, 0);
+            // Entry j: half j % 2 of header int4 1 + j / 2.
+            const int holder = min(1 + lane / 2, 31);
+            const int hx = __shfl_sync(0xffffffffu, head.x, holder), hy = __shfl_sync(0xffffffffu, head.y, holder);
+            const int hz = __shfl_sync(0xffffffffu, head.z, holder), hw = __shfl_sync(0xffffffffu, head.w, holder);
+            const int e = lane % 2 ? hz : hx, packed = lane % 2 ? hw : hy;
+            const int slot = packed >> 4;
+            // A peer called with other sizes (or a corrupt header): its entries could point anywhere; skip it.
+            const bool sane = lane >= n || (e >= 0 && e < num_local && slot >= 0 && slot < max_tokens);
+            if (!__all_sync(0xffffffffu, sane) || seen_meta != meta || n < 1 || n > kLowLatencyMaxTopk) {
+                if (lane == 0) atomicOr(&sync->status, kLowLatencyMetaMismatch);
+                continue;
             }
+            int64_t row = 0;
+            if (lane < n) {
+                row = e * rows_per_expert + pair_begin[e * num_ranks + src] + slot;
+                recv_src_info[row] = token;
+                recv_topk_slot[row] = packed & 15;
+            }
+            receive_message(msg + kLowLatencyHeaderInt4, payload_int4, data_int4, recv_x, recv_scales, row, n,
+                            fp8 ? num_scales : 0, flags & kFlagUe8m0, lane);
         }
         timeline_mark(timeline, kAtReceived);
     }
@@ -459,7 +508,7 @@ ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const in
         wait_for_acks(peers, lay, epoch, "ll_combine: peer read this buffer set's previous call (ack)");
         timeline_mark(timeline, kAtAcks);
         const int num_pairs = num_local * num_ranks;
-        const int w = warps_per_pair(num_pairs, true);
+        const int w = warps_per_pair(num_pairs);
         const int global_warp = static_cast<int>(blockIdx.x) * kLowLatencyWarps + warp;
         const int sub = global_warp % w, group_in_block = warp / w;
         const int64_t rows_per_expert = static_cast<int64_t>(num_ranks) * max_tokens;

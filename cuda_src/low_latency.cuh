@@ -8,15 +8,19 @@
 //   flags           uint64 [E]                  combine: (epoch << 32) | 1, from the owner of expert g
 //   acks            uint64 [R]                  epoch << 32: rank r has read everything this set brought it in
 //                                               that call; a sender waits for it before the set's next call
-//   dispatch slots  [L][R src][M] x msg         one message per (token, chosen expert): header + payload
+//   dispatch slots  [R src][M] x msg            one message per (source token, destination rank): header + payload
 //   combine slots   [M][kLowLatencyMaxTopk] x 2H   expert output for (token, k), at the token's home rank
-//   staging         [M] x msg + [M][kLowLatencyMaxTopk] x 16   what NVSHMEM puts read (only where no NVLink pointer)
+//   staging         [M] x msg + [M][R] x header   what NVSHMEM puts read (only where no NVLink pointer)
 //
-// A message: int4 header {source token, k, meta, 0} then FP8 bytes [H] + float scales [H/128], or bf16 [H]; its
-// stride fits the larger (bf16). Signal words carry the epoch of the call that wrote them (each rank counts the
-// calls on each set in device memory, identically), so no word ever needs cleaning between calls and a word left
-// by an older call never passes for this one's. The acks stop a rank that runs ahead (receive hooks let a rank have
-// two calls in flight) from overwriting a set a slower peer is still reading.
+// A message carries a token once to a rank, whatever number of that rank's experts chose it: header {source
+// token, meta, entries, epoch} and one entry {local expert, slot << 4 | k} per (token, k) on that rank (its row
+// is slot `slot` of (local expert, source), the k-th top-k choice), then FP8 bytes [H] + float scales [H/128], or
+// bf16 [H]; its stride fits the larger (bf16). The receiver copies the payload into each entry's row: NVLink
+// carries a token once per rank, not once per expert (at top-8 of 256 on 4 ranks, 2.2 experts a chosen rank).
+// Signal words and message headers carry the epoch of the call that wrote them (each rank counts the calls on
+// each set in device memory, identically), so no word ever needs cleaning between calls and a word left by an
+// older call never passes for this one's. The acks stop a rank that runs ahead (receive hooks let a rank have two
+// calls in flight) from overwriting a set a slower peer is still reading.
 #pragma once
 
 #include "peers.cuh"
@@ -24,7 +28,9 @@
 namespace epjit {
 
 constexpr int kLowLatencyMaxTopk = 16;
-constexpr int kLowLatencyHeaderBytes = 16;
+constexpr int kLowLatencyHeaderBytes = 144;  // int4 {token, meta, entries, epoch} + int2 entry[kLowLatencyMaxTopk]
+constexpr int kLowLatencyHeaderInt4 = kLowLatencyHeaderBytes / 16;
+static_assert(kLowLatencyHeaderBytes == 16 + 8 * kLowLatencyMaxTopk, "one int2 entry per top-k slot");
 
 __host__ __device__ constexpr int64_t ll_align(int64_t n) { return (n + 255) / 256 * 256; }
 
@@ -39,7 +45,7 @@ struct LowLatencyLayout {
     char* dispatch_slots;
     char* combine_slots;
     char* staging;
-    int4* staging_headers;
+    char* staging_headers;
     int64_t msg_bytes, combine_row_bytes, set_bytes;
     int num_ranks, max_tokens;
 
@@ -56,13 +62,13 @@ struct LowLatencyLayout {
         const int64_t acks_off = off;
         off += ll_align(R * 8);
         const int64_t dispatch_off = off;
-        off += ll_align(L * R * M * msg_bytes);
+        off += ll_align(R * M * msg_bytes);
         const int64_t combine_off = off;
         off += ll_align(M * kLowLatencyMaxTopk * combine_row_bytes);
         const int64_t staging_off = off;
         off += ll_align(M * msg_bytes);
         const int64_t headers_off = off;
-        off += ll_align(M * kLowLatencyMaxTopk * kLowLatencyHeaderBytes);
+        off += ll_align(M * R * kLowLatencyHeaderBytes);
         set_bytes = off;
         char* base = static_cast<char*>(sym_base) + set * set_bytes;
         counts = reinterpret_cast<uint64_t*>(base + counts_off);
@@ -71,12 +77,15 @@ struct LowLatencyLayout {
         dispatch_slots = base + dispatch_off;
         combine_slots = base + combine_off;
         staging = base + staging_off;
-        staging_headers = reinterpret_cast<int4*>(base + headers_off);
+        staging_headers = base + headers_off;
     }
 
-    __device__ int4* dispatch_slot(int local_expert, int src, int i) const {
-        return reinterpret_cast<int4*>(
-            dispatch_slots + ((static_cast<int64_t>(local_expert) * num_ranks + src) * max_tokens + i) * msg_bytes);
+    __device__ int4* dispatch_slot(int src, int token) const {
+        return reinterpret_cast<int4*>(dispatch_slots + (static_cast<int64_t>(src) * max_tokens + token) * msg_bytes);
+    }
+    __device__ int4* staging_header(int token, int dst) const {
+        return reinterpret_cast<int4*>(staging_headers +
+                                       (static_cast<int64_t>(token) * num_ranks + dst) * kLowLatencyHeaderBytes);
     }
     __device__ int4* combine_slot(int token, int k) const {
         return reinterpret_cast<int4*>(

@@ -1117,11 +1117,11 @@ class Buffer:
                                           "num_experts / ranks experts)"))
         if h % 8:
             raise ArgumentError(with_rank(f"hidden={h} must be a multiple of 8 (16-byte rows)"))
-        if dispatch_shared_bytes(h, m, LOW_LATENCY_MAX_TOPK) > MAX_DYNAMIC_SHARED_BYTES:
+        if dispatch_shared_bytes(h, m, LOW_LATENCY_MAX_TOPK, e) > MAX_DYNAMIC_SHARED_BYTES:
             raise ArgumentError(with_rank(
                 f"num_max_dispatch_tokens_per_rank={m} with hidden={h} is too large for low-latency mode: each "
-                f"dispatch block stages two tokens and every topk_idx entry in shared memory "
-                f"({dispatch_shared_bytes(h, m, LOW_LATENCY_MAX_TOPK)} bytes at top-{LOW_LATENCY_MAX_TOPK}, "
+                f"dispatch block stages two tokens, every topk_idx entry and two ints an expert in shared memory "
+                f"({dispatch_shared_bytes(h, m, LOW_LATENCY_MAX_TOPK, e)} bytes at top-{LOW_LATENCY_MAX_TOPK}, "
                 f"{MAX_DYNAMIC_SHARED_BYTES} available)"))
         need = low_latency_size_hint(m, h, r, e)
         if num_rdma_bytes == 0:
@@ -1252,7 +1252,7 @@ class Buffer:
                 outs = tuple(None if spec is None else self._empty(spec[0], arrays.cupy_dtype(spec[1]))
                              for spec in specs)
         recv_x, recv_scales, src_info, topk_slot, layout_range, recv_count = outs
-        shared = dispatch_shared_bytes(hidden, num_tokens, num_topk)
+        shared = dispatch_shared_bytes(hidden, num_tokens, num_topk, e)
 
         def launch(phases: int) -> None:  # refers to the outputs: a pending hook keeps them alive
             ll.module.launch(

@@ -10,7 +10,7 @@ from ..jit.spec import KernelSpec
 PEERS = ("peers", "const PeersTable*")
 LOW_LATENCY_THREADS = 1024
 LOW_LATENCY_MAX_TOPK = 16  # kLowLatencyMaxTopk: combine slots per token
-LOW_LATENCY_HEADER_BYTES = 16
+LOW_LATENCY_HEADER_BYTES = 16 + 8 * LOW_LATENCY_MAX_TOPK  # kLowLatencyHeaderBytes: int4 + an int2 entry a slot
 SYNC_BYTES = 32  # sizeof(LowLatencySync); int32 expert_sent[num_experts] follow it
 MAX_DYNAMIC_SHARED_BYTES = 227 * 1024  # sm_90's opt-in limit per block
 PHASE_SEND, PHASE_RECV = 1, 2
@@ -48,13 +48,14 @@ def _align(n: int) -> int:
 
 
 def message_bytes(hidden: int) -> int:
-    """Stride of one dispatch message: 16-byte header + the larger payload (bf16), 16-byte aligned."""
+    """Stride of one dispatch message: header (with its entries) + the larger payload (bf16), 16-byte aligned."""
     return (LOW_LATENCY_HEADER_BYTES + 2 * hidden + 15) // 16 * 16
 
 
-def dispatch_shared_bytes(hidden: int, num_tokens: int, num_topk: int) -> int:
-    """ll_dispatch's dynamic shared memory: two staged tokens (bf16 size) and topk_idx as int32."""
-    return 2 * 2 * hidden + 4 * num_tokens * num_topk
+def dispatch_shared_bytes(hidden: int, num_tokens: int, num_topk: int, num_experts: int) -> int:
+    """ll_dispatch's dynamic shared memory: two staged tokens (bf16 size), topk_idx as int32, then the receive
+    half's count and first row of every (local expert, source) pair (num_experts of each)."""
+    return 2 * 2 * hidden + 4 * num_tokens * num_topk + 2 * 4 * num_experts
 
 
 def low_latency_set_bytes(num_ranks: int, num_experts: int, max_tokens: int, hidden: int) -> int:
@@ -62,8 +63,8 @@ def low_latency_set_bytes(num_ranks: int, num_experts: int, max_tokens: int, hid
     r, e, m = num_ranks, num_experts, max_tokens
     local = e // r
     msg = message_bytes(hidden)
-    sizes = [local * r * 8, e * 8, r * 8, local * r * m * msg, m * LOW_LATENCY_MAX_TOPK * 2 * hidden, m * msg,
-             m * LOW_LATENCY_MAX_TOPK * LOW_LATENCY_HEADER_BYTES]
+    sizes = [local * r * 8, e * 8, r * 8, r * m * msg, m * LOW_LATENCY_MAX_TOPK * 2 * hidden, m * msg,
+             m * r * LOW_LATENCY_HEADER_BYTES]
     return sum(_align(s) for s in sizes)
 
 
