@@ -268,10 +268,6 @@ class _Ints(NamedTuple):
     shape: tuple[int, ...]
     ptr: int
 
-    @staticmethod
-    def carve(owner: Any, offset: int, shape: tuple[int, ...]) -> _Ints:
-        return _Ints(owner, offset, shape, owner.data.ptr + 4 * offset)
-
     def view(self, rows: int | None = None) -> Any:
         shape = self.shape if rows is None else (rows, *self.shape[1:])
         n = math.prod(shape)
