@@ -648,8 +648,8 @@ class Buffer:
     def _dispatch_ints(self, num_channels: int, num_tokens: int, capacity: int,
                        handle: DispatchHandle | None) -> tuple[_Ints, ...]:
         """rank_prefix_matrix and channel_prefix_matrix (a replayed handle's), recv_channel_offset, send_head and
-        recv_src_idx of one dispatch, carved from one CuPy allocation on the communication stream: one allocation
-        and no array objects (a small batch waits for this host's time)."""
+        recv_src_idx of one dispatch, carved from one CuPy allocation: one allocation and no array objects (a small
+        batch waits for this host's time). The caller has made the communication stream CuPy's current stream."""
         r = self.num_ranks
         shapes = [(r, r), (r, num_channels)] if handle is None else []
         shapes += [(r, num_channels), (num_tokens, r), (capacity,)]
@@ -658,10 +658,9 @@ class Buffer:
             offsets.append(total)
             total += (math.prod(shape) + 63) // 64 * 64  # 256-byte aligned parts
         cupy = _cupy()
-        with self.comm_stream:
-            owner = cupy.empty(max(total, 1), dtype=cupy.int32)
-            if self._settings.poison_outputs:
-                owner.view(cupy.uint8).fill(_POISON_BYTE)
+        owner = cupy.empty(max(total, 1), dtype=cupy.int32)
+        if self._settings.poison_outputs:
+            owner.view(cupy.uint8).fill(_POISON_BYTE)
         base = owner.data.ptr
         parts = tuple(_Ints(owner, o, shape, base + 4 * o) for o, shape in zip(offsets, shapes, strict=True))
         return parts if handle is None else (handle.rank_prefix_ints, handle.channel_prefix_ints, *parts)

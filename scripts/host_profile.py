@@ -20,34 +20,20 @@ import torch
 import epjit
 
 
-def _steps(buf: epjit.Buffer, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, tokens: int) -> None:
-    """Rank 0 alone: the host-side steps of a dispatch, each timed on its own (no kernel runs)."""
-    from epjit import arrays
+def _steps(buf: epjit.Buffer, x: torch.Tensor, tokens: int) -> None:
+    """Rank 0 alone: the host-side steps of a dispatch that host_costs.py does not time, each on its own (no kernel
+    runs); host_costs.py's lines (checks, allocations, launches) go with them."""
+    from host_costs import cost  # scripts/ is sys.path[0] when this runs as a script
 
-    dev = buf.group.device
-    handle_ints = buf._dispatch_ints(24, tokens, 2 * tokens, None)
-    steps = {
-        "arrays.check(x)": lambda: arrays.check(x, "x", dtype="bfloat16", ndim=2, device=dev),
-        "arrays.check(topk_idx)": lambda: arrays.check(idx, "topk_idx", dtype="int64",
-                                                       shape=(("N", tokens), "K"), device=dev),
-        "_begin": lambda: buf._begin(None),
-        "_dispatch_ints": lambda: buf._dispatch_ints(24, tokens, 2 * tokens, None),
-        "_dispatch_outputs (3 torch.empty)": lambda: buf._dispatch_outputs(True, 2 * tokens, x.shape[1], 0, 8, False,
-                                                                          True, True),
-        "torch.empty bf16 rows": lambda: torch.empty((2 * tokens, x.shape[1]), dtype=torch.bfloat16, device="cuda"),
-        "narrow": lambda: x.narrow(0, 0, tokens // 2),
-        "x[:n]": lambda: x[:tokens // 2],
-        "_finish": lambda: buf._finish(buf._begin(None), False),
-        "handle view (cupy slice+reshape)": lambda: handle_ints[3].view(),
-        "pure python: 100 adds": lambda: sum(range(100)),
-    }
-    for name, step in steps.items():
-        for _ in range(50):
-            step()
-        start = time.perf_counter()
-        for _ in range(500):
-            step()
-        print(f"  step {name:<36} {(time.perf_counter() - start) * 1e6 / 500:7.1f} us", flush=True)
+    with buf.comm_stream:  # where dispatch makes them
+        handle_ints = buf._dispatch_ints(24, tokens, 2 * tokens, None)
+        cost("_dispatch_ints", lambda: buf._dispatch_ints(24, tokens, 2 * tokens, None), 500)
+    cost("_dispatch_outputs (3 torch.empty)",
+         lambda: buf._dispatch_outputs(True, 2 * tokens, x.shape[1], 0, 8, False, True, True), 500)
+    cost("_begin", lambda: buf._begin(None), 500)
+    cost("_finish", lambda: buf._finish(buf._begin(None), False), 500)
+    cost("a handle's view (cupy slice + reshape)", lambda: handle_ints[3].view(), 500)
+    cost("pure Python: 100 additions (this host's speed)", lambda: sum(range(100)), 500)
     torch.cuda.synchronize()
 
 
@@ -88,7 +74,7 @@ def main() -> None:
                     print(f"{tokens:>5} tokens {name:<17} host {statistics.median(times):7.1f} us median, "
                           f"{min(times):7.1f} min", flush=True)
             if group.rank == 0:
-                _steps(buf, x, idx, w, tokens)
+                _steps(buf, x, tokens)
             group.barrier()
             for name in ("dispatch", "combine"):
                 prof = cProfile.Profile()
