@@ -320,6 +320,21 @@ struct TokenFields {
         if (lane + 32 < num_scales) scale1 = ld_volatile_f32(scales + lane + 32);
     }
 
+    // Into row `row` of dispatch's outputs (recv_topk_idx and recv_topk_weights may be null). Returns the row's
+    // scales, for the caller to copy those past kHeldScales.
+    __device__ float* store_row(int64_t row, int* recv_src_idx, int64_t* recv_topk_idx, float* recv_topk_weights,
+                                float* recv_x_scales, int num_topk, int num_scales, int lane) const {
+        if (lane == 0) recv_src_idx[row] = src;
+        if (recv_topk_idx != nullptr && lane < num_topk) {
+            recv_topk_idx[row * num_topk + lane] = expert;
+            if (recv_topk_weights != nullptr) recv_topk_weights[row * num_topk + lane] = weight;
+        }
+        float* scales = recv_x_scales + row * num_scales;
+        if (lane < num_scales) scales[lane] = scale0;
+        if (lane + 32 < num_scales) scales[lane + 32] = scale1;
+        return scales;
+    }
+
     __device__ void store(int* to_src, int* to_expert, float* to_weight, float* to_scales, int num_topk,
                           int num_scales, int lane) const {
         if (lane == 0) *to_src = src;
@@ -379,14 +394,8 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
                 TokenFields fields;
                 fields.load_inputs(t, topk_idx, topk_weights, x_scales, num_topk, num_scales, lo, hi, lane);
                 warp_copy(recv_x + row * x_row_int4, x + static_cast<int64_t>(t) * x_row_int4, x_row_int4, lane);
-                if (lane == 0) recv_src_idx[row] = t;
-                if (recv_topk_idx != nullptr && lane < num_topk) {
-                    recv_topk_idx[row * num_topk + lane] = fields.expert;
-                    if (recv_topk_weights != nullptr) recv_topk_weights[row * num_topk + lane] = fields.weight;
-                }
-                float* scales = recv_x_scales + row * num_scales;
-                if (lane < num_scales) scales[lane] = fields.scale0;
-                if (lane + 32 < num_scales) scales[lane + 32] = fields.scale1;
+                float* scales = fields.store_row(row, recv_src_idx, recv_topk_idx, recv_topk_weights, recv_x_scales,
+                                                 num_topk, num_scales, lane);
                 copy_scales_past_held(scales, x_scales + static_cast<int64_t>(t) * num_scales, num_scales, lane);
             }
             ++n;
@@ -481,14 +490,8 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
                 TokenFields fields;
                 fields.load_ring(mine, q, slot, recv_topk_idx != nullptr ? num_topk : 0, num_scales, lane);
                 warp_copy_peer_written(recv_x + row * x_row_int4, mine.x_slot(q, slot), x_row_int4, lane);
-                if (lane == 0) recv_src_idx[row] = fields.src;
-                if (recv_topk_idx != nullptr && lane < num_topk) {
-                    recv_topk_idx[row * num_topk + lane] = fields.expert;
-                    if (recv_topk_weights != nullptr) recv_topk_weights[row * num_topk + lane] = fields.weight;
-                }
-                float* scales = recv_x_scales + row * num_scales;
-                if (lane < num_scales) scales[lane] = fields.scale0;
-                if (lane + 32 < num_scales) scales[lane + 32] = fields.scale1;
+                float* scales = fields.store_row(row, recv_src_idx, recv_topk_idx, recv_topk_weights, recv_x_scales,
+                                                 num_topk, num_scales, lane);
                 for (int s = TokenFields::kHeldScales + lane; s < num_scales; s += 32)
                     scales[s] = ld_volatile_f32(mine.scales_slot(q, slot) + s);
             }
