@@ -4,12 +4,15 @@
 // a run with B blocks and D destinations says what B/D SMs reach towards one rank while the others run too. With
 // `rotate` every block writes to each destination in turn instead, starting with the rank after this one: while
 // all ranks keep step, each GPU writes to one peer and is written by one (NCCL's p2p schedule), the same bytes.
+// With `pull` the bytes flow the other way: each block reads its destination's region of this rank's bytes out of
+// that peer's buffer into this rank's own buffer (remote loads, local stores: how NCCL's P2P read mode moves them).
 #include "copy.cuh"
 #include "peers.cuh"
 
 namespace epjit {
 
-__global__ void copy_ceiling(const PeersTable* peers, int dst_mask, int rotate, const int4* src, int64_t n_int4) {
+__global__ void copy_ceiling(const PeersTable* peers, int dst_mask, int rotate, int pull, const int4* src,
+                             int64_t n_int4) {
     const int num_dsts = __popc(dst_mask);
     const int blocks_per_dst = rotate ? static_cast<int>(gridDim.x) : static_cast<int>(gridDim.x) / num_dsts;
     const int first = rotate ? 0 : static_cast<int>(blockIdx.x) / blocks_per_dst;
@@ -24,11 +27,13 @@ __global__ void copy_ceiling(const PeersTable* peers, int dst_mask, int rotate, 
         const int rank = rotate ? (me + step) % num_ranks : __fns(static_cast<unsigned>(dst_mask), 0, first + 1);
         if (rotate && !(dst_mask >> rank & 1)) continue;
         // Every source writes its own region of a destination's payload: bytes from different ranks never overlap.
-        int4* dst = nvl_ptr<int4>(peers, rank, kNvlHeaderBytes + me * n_int4 * 16);
+        int4* remote = nvl_ptr<int4>(peers, rank, kNvlHeaderBytes + me * n_int4 * 16);
+        int4* dst = pull ? nvl_ptr<int4>(peers, me, kNvlHeaderBytes + rank * n_int4 * 16) : remote;
+        const int4* from = pull ? remote : src;
         for (int64_t p = (blockIdx.x % blocks_per_dst) * warps + threadIdx.x / 32; p * kPiece < n_int4;
              p += stride) {
             const int64_t left = n_int4 - p * kPiece;
-            warp_copy(dst + p * kPiece, src + p * kPiece, static_cast<int>(left < kPiece ? left : kPiece), lane);
+            warp_copy(dst + p * kPiece, from + p * kPiece, static_cast<int>(left < kPiece ? left : kPiece), lane);
         }
         if (!rotate) break;
     }
