@@ -320,22 +320,10 @@ struct TokenFields {
         if (lane + 32 < num_scales) scale1 = ld_volatile_f32(scales + lane + 32);
     }
 
-    // Into row `row` of dispatch's outputs (recv_topk_idx and recv_topk_weights may be null). Returns the row's
-    // scales, for the caller to copy those past kHeldScales.
-    __device__ float* store_row(int64_t row, int* recv_src_idx, int64_t* recv_topk_idx, float* recv_topk_weights,
-                                float* recv_x_scales, int num_topk, int num_scales, int lane) const {
-        if (lane == 0) recv_src_idx[row] = src;
-        if (recv_topk_idx != nullptr && lane < num_topk) {
-            recv_topk_idx[row * num_topk + lane] = expert;
-            if (recv_topk_weights != nullptr) recv_topk_weights[row * num_topk + lane] = weight;
-        }
-        float* scales = recv_x_scales + row * num_scales;
-        if (lane < num_scales) scales[lane] = scale0;
-        if (lane + 32 < num_scales) scales[lane + 32] = scale1;
-        return scales;
-    }
-
-    __device__ void store(int* to_src, int* to_expert, float* to_weight, float* to_scales, int num_topk,
+    // Into a ring slot (Expert = int) or a row of dispatch's outputs (Expert = int64_t); to_expert and to_weight
+    // may be null.
+    template <typename Expert>
+    __device__ void store(int* to_src, Expert* to_expert, float* to_weight, float* to_scales, int num_topk,
                           int num_scales, int lane) const {
         if (lane == 0) *to_src = src;
         if (to_expert != nullptr && lane < num_topk) {
@@ -344,6 +332,17 @@ struct TokenFields {
         }
         if (lane < num_scales) to_scales[lane] = scale0;
         if (lane + 32 < num_scales) to_scales[lane + 32] = scale1;
+    }
+
+    // Into row `row` of dispatch's outputs (recv_topk_idx and recv_topk_weights may be null). Returns the row's
+    // scales, for the caller to copy those past kHeldScales.
+    __device__ float* store_row(int64_t row, int* recv_src_idx, int64_t* recv_topk_idx, float* recv_topk_weights,
+                                float* recv_x_scales, int num_topk, int num_scales, int lane) const {
+        float* scales = recv_x_scales + row * num_scales;
+        store(recv_src_idx + row, recv_topk_idx != nullptr ? recv_topk_idx + row * num_topk : nullptr,
+              recv_topk_weights != nullptr ? recv_topk_weights + row * num_topk : nullptr, scales, num_topk,
+              num_scales, lane);
+        return scales;
     }
 };
 
