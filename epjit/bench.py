@@ -298,6 +298,20 @@ def _median_halves_us(first: Any, second: Any, group: Any, repeat: int) -> tuple
     return statistics.median(a), statistics.median(b)
 
 
+def hook_halves_us(send_half: Any, group: Any, repeat: int) -> tuple[float, float]:
+    """Medians of the send and receive halves of a low-latency call: ``send_half`` makes the call with
+    return_recv_hook=True and returns its result. Each half in its own CUDA graph: the send half's capture leaves
+    its hook pending, the receive half's runs it."""
+    held: list[Any] = []
+
+    def whole_call() -> None:  # the warm-up runs both halves, so no hook is left pending
+        send_half().hook()
+
+    send = _graph(lambda: held.append(send_half()), warmup=whole_call)
+    recv = _graph(lambda: held.pop().hook(), warmup=lambda: None)
+    return _median_halves_us(send.replay, recv.replay, group, repeat)
+
+
 def _bench_low_latency(group: Any, dist: Any, args: argparse.Namespace, modes: list[str]) -> list[Row]:
     """Low-latency dispatch (FP8) and combine (bf16), each timed over CUDA-graph replays, beside NCCL moving the
     same (token, expert) messages; with ll-hook, the send and receive halves of each, timed separately."""
@@ -383,18 +397,12 @@ def _bench_low_latency_case(buf: Any, group: Any, dist: Any, args: argparse.Name
         g = _graph(lambda: buf.low_latency_combine(y, idx, w, handle))
         timed["ll-combine"] = _median_us(g.replay, group, args.repeat)
     if "ll-hook" in modes:
-        # Each half in its own graph: the send half's capture leaves its hook pending, the receive half's runs it.
-        held: list[Any] = []
         halves = {
-            "ll-dispatch": lambda: held.append(buf.low_latency_dispatch(x, idx, max_tokens, experts,
-                                                                        return_recv_hook=True)),
-            "ll-combine": lambda: held.append(buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True)),
+            "ll-dispatch": lambda: buf.low_latency_dispatch(x, idx, max_tokens, experts, return_recv_hook=True),
+            "ll-combine": lambda: buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True),
         }
         for name, send_half in halves.items():
-            send = _graph(send_half, warmup=lambda: (send_half(), held.pop().hook()))  # noqa: B023
-            recv = _graph(lambda: held.pop().hook(), warmup=lambda: None)
-            timed[f"{name}-send"], timed[f"{name}-recv"] = _median_halves_us(send.replay, recv.replay, group,
-                                                                              args.repeat)
+            timed[f"{name}-send"], timed[f"{name}-recv"] = hook_halves_us(send_half, group, args.repeat)
     if args.profile:
         _profile_low_latency(buf, group, x, idx, w, y, handle, tokens)
     else:  # EPJIT_PROFILE's stamps would be timed too

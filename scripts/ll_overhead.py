@@ -88,17 +88,12 @@ def main() -> None:
                     x, idx, m, experts))))  # noqa: B023
                 timed("ll_combine, no phase", bench._graph(_no_phase(buf, lambda: buf.low_latency_combine(
                     y, idx, w, handle))))  # noqa: B023
-            held: list[Any] = []
             halves = {
-                "dispatch": lambda: held.append(buf.low_latency_dispatch(x, idx, m, experts,  # noqa: B023
-                                                                         return_recv_hook=True)),
-                "combine": lambda: held.append(buf.low_latency_combine(y, idx, w, handle,  # noqa: B023
-                                                                       return_recv_hook=True)),
+                "dispatch": lambda: buf.low_latency_dispatch(x, idx, m, experts, return_recv_hook=True),  # noqa: B023
+                "combine": lambda: buf.low_latency_combine(y, idx, w, handle, return_recv_hook=True),  # noqa: B023
             }
             for name, send_half in halves.items():
-                send = bench._graph(send_half, warmup=lambda: (send_half(), held.pop().hook()))  # noqa: B023
-                recv = bench._graph(lambda: held.pop().hook(), warmup=lambda: None)  # noqa: B023
-                a, b = bench._median_halves_us(send.replay, recv.replay, group, args.repeat)
+                a, b = bench.hook_halves_us(send_half, group, args.repeat)
                 a, b = (max(v) for v in zip(*group.allgather_object((a, b)), strict=True))
                 rows += [(f"ll_{name} send half, {tokens} tokens", a), (f"ll_{name} recv half, {tokens} tokens", b)]
                 if group.rank == 0:
