@@ -163,11 +163,13 @@ _CEILING_STAGES = 8  # kCeilingStages of cuda_src/ceiling.cu
 def _bench_ceiling(group: Any, args: argparse.Namespace) -> list[Row]:
     """What copies from local memory reach by SM count: towards one peer's NVLink buffer ("peer"), towards every
     peer at once with the SMs split among them ("peers"), towards every peer in turn with all the SMs, each rank
-    starting at the next one ("rotate": NCCL's p2p schedule, one writer per GPU at a time), and within this GPU
-    ("local"); "-pull": the same bytes read out of the peers' buffers instead of written into them. Each with the
-    normal-mode kernels' warp_copy (768 threads a block, or 1024) and, pushing only, with bulk (TMA) copies driven
-    by one thread a warp through 8 shared-memory stages of 7 KiB (4 warps a block, or 2). The kernels are measured
-    against these."""
+    starting at the next one ("rotate": NCCL's p2p schedule, one writer per GPU at a time), towards every peer from
+    every warp, piece by piece ("interleave": how the normal-mode kernels' blocks send), and within this GPU
+    ("local"); "-pull": the same bytes read out of the peers' buffers instead of written into them; "-skew": each
+    rank starts at a different place of its regions, so senders into one GPU do not keep step on its addresses.
+    Each with the normal-mode kernels' warp_copy (768 threads a block; the split pushes also 1024) and, split
+    pushes only, with bulk (TMA) copies driven by one thread a warp through 8 shared-memory stages of 7 KiB (4
+    warps a block, or 2). The kernels are measured against these."""
     import cupy
     import torch
 
@@ -183,31 +185,35 @@ def _bench_ceiling(group: Any, args: argparse.Namespace) -> list[Row]:
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
     num_sms = torch.cuda.get_device_properties(group.device).multi_processor_count
-    patterns = {"local": (1 << me, 0, 0)}  # name: (destination mask, rotate, pull)
+    # name: (destination mask, schedule, pull, skew); schedules as in cuda_src/ceiling.cu
+    split, rotate, interleave = 0, 1, 2
+    patterns = {"local": (1 << me, split, 0, 0)}
     if r > 1:
-        patterns["peer"] = (1 << ((me + 1) % r), 0, 0)
-        patterns["peer-pull"] = (1 << ((me + 1) % r), 0, 1)
+        patterns["peer"] = (1 << ((me + 1) % r), split, 0, 0)
+        patterns["peer-pull"] = (1 << ((me + 1) % r), split, 1, 0)
     if r > 2:
         others = ((1 << r) - 1) & ~(1 << me)
-        patterns.update({"peers": (others, 0, 0), "rotate": (others, 1, 0), "peers-pull": (others, 0, 1),
-                         "rotate-pull": (others, 1, 1)})
+        patterns.update({"peers": (others, split, 0, 0), "peers-skew": (others, split, 0, 1),
+                         "rotate": (others, rotate, 0, 0), "interleave": (others, interleave, 0, 0),
+                         "interleave-skew": (others, interleave, 0, 1), "peers-pull": (others, split, 1, 0),
+                         "rotate-pull": (others, rotate, 1, 0)})
     stage = 7168
     variants = {"": ("copy_ceiling", NUM_THREADS, 0), "-1024": ("copy_ceiling", 1024, 0),
                 "-bulk4": ("copy_ceiling_bulk", 128, 4), "-bulk2": ("copy_ceiling_bulk", 64, 2)}
     rows: list[Row] = []
     try:
-        for pattern, (mask, rotate, pull) in patterns.items():
+        for pattern, (mask, schedule, pull, skew) in patterns.items():
             dsts = bin(mask).count("1")
             for suffix, (kernel, threads, warps) in variants.items():
-                if (rotate or pull) and warps:
-                    continue  # the bulk kernel has no rotating schedule and only pushes
+                if (schedule != split or pull or skew) and (warps or threads != NUM_THREADS):
+                    continue  # the bulk kernel only pushes on the split schedule; 1024 threads only there too
                 for sms in sorted({*args.ceiling_sms, num_sms}):
-                    blocks = min(sms, num_sms) if rotate else max(dsts, min(sms, num_sms) // dsts * dsts)
+                    blocks = max(dsts, min(sms, num_sms) // dsts * dsts) if schedule == split else min(sms, num_sms)
                     if warps:
                         shared = warps * _CEILING_STAGES * (stage + 8)
                         launch_args: tuple[Any, ...] = (src.data_ptr(), n, stage)
                     else:
-                        shared, launch_args = 0, (rotate, pull, src.data_ptr(), n // 16)
+                        shared, launch_args = 0, (schedule, pull, skew, src.data_ptr(), n // 16)
 
                     def copy(kernel: str = kernel, blocks: int = blocks, threads: int = threads, mask: int = mask,
                              launch_args: tuple[Any, ...] = launch_args, shared: int = shared) -> None:
