@@ -53,6 +53,8 @@ enum IntranodePoint {
     kNormalAtFirstTail = 2,  // dispatch: a draining group saw its ring's first tail; combine: a reader's first token
     kNormalAtSent = 3,       // the sending groups published their final tails
     kNormalAtReceived = 4,   // dispatch: every ring drained; combine: every token reduced
+    kNormalAtLastTail = 5,   // dispatch: a draining group saw its ring's final tail; combine: a reader's last token
+                             // had all its rows (what is left after it is copying or reducing what arrived)
 };
 enum NotifyPoint {
     kNotifyAtStart = 0,     // the block began
@@ -160,7 +162,7 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
     const int me = peers->nvl_rank;
     const int t = static_cast<int>(threadIdx.x);
     const int num_local_experts = num_experts / kNumRanks;
-    timeline_mark(timeline, kNotifyAtStart);
+    timeline_start(timeline, kNotifyAtStart);
     if (blockIdx.x > 0) {
         if (cached) return;  // a cached handle brings its channel_prefix_matrix
         const int dst = static_cast<int>(blockIdx.x) - 1;
@@ -362,7 +364,7 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
                    uint64_t* timeline) {
     constexpr int kNumWarps = kNumThreads / 32;
     if (*device_status != 0) return;  // notify found a problem: every rank stops here, before any send
-    timeline_mark(timeline, kNormalAtStart);
+    timeline_start(timeline, kNormalAtStart);
 
     using Roles = DispatchRoles<kNumRanks, kNumWarps>;
     const int me = peers->nvl_rank;
@@ -480,6 +482,7 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
                               });
                 s_tail[peer] = tail;
                 if (head == 0) timeline_mark_latest(timeline, kNormalAtFirstTail);
+                if (tail == count) timeline_mark_latest(timeline, kNormalAtLastTail);
             }
             roles.sync();
             const int tail = s_tail[peer];
@@ -533,7 +536,7 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
                   const int* send_head, int4* out_x, float* out_topk_weights, int num_tokens, int hidden,
                   int num_topk, int num_channels, int num_slots, int num_max_send_tokens, uint64_t* timeline) {
     constexpr int kNumWarps = kNumThreads / 32;
-    timeline_mark(timeline, kNormalAtStart);
+    timeline_start(timeline, kNormalAtStart);
     using Roles = CombineRoles<kNumRanks, kNumWarps>;
     constexpr int kNumReaders = Roles::kNumReaders;
     const int me = peers->nvl_rank;
@@ -622,6 +625,7 @@ intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_we
                           });
         }
         __syncwarp();
+        if (lane == 0 && t + kNumReaders >= end) timeline_mark_latest(timeline, kNormalAtLastTail);
         // Where each rank's row for token t is: a ring slot for the others, y itself for my own.
         const int4* rows[kNumRanks];
         const float* weights[kNumRanks];

@@ -319,7 +319,7 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
     int* pair_begin = pair_count + num_local * num_ranks;
     int32_t* expert_sent = expert_sent_counters(sync);
     if (!layout_fits(peers, lay, sync)) phases = 0;
-    timeline_mark(timeline, kAtStart);
+    timeline_start(timeline, kAtStart);
 
     if (phases & kPhaseSend) {
         const int num_slots = num_tokens * num_topk;
@@ -502,7 +502,7 @@ ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const in
     const LowLatencyLayout lay(peers->sym_base, set, num_ranks, num_experts, max_tokens, hidden);
     const int row_int4 = hidden / 8;
     if (!layout_fits(peers, lay, sync)) phases = 0;
-    timeline_mark(timeline, kAtStart);
+    timeline_start(timeline, kAtStart);
 
     if (phases & kPhaseSend) {
         wait_for_acks(peers, lay, epoch, "ll_combine: peer read this buffer set's previous call (ack)");

@@ -8,6 +8,7 @@
 namespace epjit {
 
 constexpr int kTimelineSlots = 8;
+constexpr int kTimelineSmSlot = kTimelineSlots - 1;  // the block's SM id + 1 (0: no stamp), by timeline_start
 
 // The latest moment any caller of this block reached `point`: several warp groups of a block may each mark it
 // (the max says when the last of them got there).
@@ -20,6 +21,14 @@ __device__ __forceinline__ void timeline_mark_latest(uint64_t* timeline, int poi
 // Thread 0's moment (points every thread of the block passes together).
 __device__ __forceinline__ void timeline_mark(uint64_t* timeline, int point) {
     if (threadIdx.x == 0) timeline_mark_latest(timeline, point);
+}
+
+// A kernel's first point: thread 0's moment, and the SM the block landed on.
+__device__ __forceinline__ void timeline_start(uint64_t* timeline, int point) {
+    if (threadIdx.x == 0 && timeline != nullptr) {
+        timeline[blockIdx.x * kTimelineSlots + kTimelineSmSlot] = ptx::smid() + 1;
+        timeline_mark_latest(timeline, point);
+    }
 }
 
 }  // namespace epjit

@@ -204,16 +204,29 @@ class _Profile:
                 if last_event is not None:
                     out[f"gpu:{name}"] = round(_cupy().cuda.get_elapsed_time(last_event, event) * 1e3, 1)
                 last_event = event
-        # Each kernel's points in microseconds from its first block's start: median and latest block (a block
-        # that never reached a point is left out).
+        # Each kernel's points in microseconds from its first block's start: earliest, median and latest block (a
+        # block that never reached a point is left out).
         for name, points, timeline in self.timelines:
             stamps = timeline.get().reshape(-1, TIMELINE_SLOTS).astype(np.int64)
             t0 = stamps[:, 0][stamps[:, 0] > 0].min(initial=np.iinfo(np.int64).max)
             for i, point in enumerate(points):
                 reached = stamps[:, i][stamps[:, i] > 0]
                 if len(reached):
+                    out[f"{name}:{point}:min"] = round(float(reached.min() - t0) / 1e3, 1)
                     out[f"{name}:{point}:med"] = round(float(np.median(reached) - t0) / 1e3, 1)
                     out[f"{name}:{point}:max"] = round(float(reached.max() - t0) / 1e3, 1)
+        return out
+
+    def blocks(self) -> dict[str, list[tuple[int, ...]]]:
+        """Per kernel, one row a block: its SM, then its points in microseconds from the kernel's first block's
+        start (-1: not reached). Which blocks are late, and whether they share a TPC or GPC, is in here."""
+        out: dict[str, list[tuple[int, ...]]] = {}
+        for name, points, timeline in self.timelines:
+            stamps = timeline.get().reshape(-1, TIMELINE_SLOTS).astype(np.int64)
+            t0 = stamps[:, 0][stamps[:, 0] > 0].min(initial=np.iinfo(np.int64).max)
+            out[name] = [(int(row[TIMELINE_SLOTS - 1]) - 1,
+                          *(round((int(v) - t0) / 1e3) if v > 0 else -1 for v in row[:len(points)]))
+                         for row in stamps]
         return out
 
 
@@ -472,6 +485,11 @@ class Buffer:
         cuda_src/low_latency.cu's TimelinePoint: ``<kernel>:<point>:med`` / ``:max`` in microseconds from the first
         block's start (a block that never reached a point is left out)."""
         return self._profile.report()
+
+    def profile_blocks(self) -> dict[str, list[tuple[int, ...]]]:
+        """The last call's stamps block by block (needs EPJIT_PROFILE=1): per kernel, one row a block with its SM
+        id, then its points in microseconds from the first block's start (-1: not reached)."""
+        return self._profile.blocks()
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 

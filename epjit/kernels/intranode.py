@@ -10,7 +10,7 @@ from ..jit.spec import KernelSpec
 PEERS = ("peers", "const PeersTable*")
 NUM_THREADS = 768  # 24 warps a block: splits evenly among 1, 2, 3, 4, 6 and 8 ranks
 # EPJIT_PROFILE: enum IntranodePoint of cuda_src/intranode.cu, in order (stamps per block, timeline.cuh)
-TIMELINE_POINTS = ("start", "own_copied", "first_tail", "sent", "received")
+TIMELINE_POINTS = ("start", "own_copied", "first_tail", "sent", "received", "last_tail")
 NOTIFY_TIMELINE_POINTS = ("start", "written", "barrier", "end")  # enum NotifyPoint
 META_INTS = 8  # intranode.cuh kMetaInts: {hidden, num_experts, num_topk, flags, recv_capacity, 0, 0, 0} a rank
 META_COMPARED = 4  # kMetaCompared: the first four must agree across ranks
