@@ -3,6 +3,8 @@
 //   notify     block 0: write my counts into every peer's buffer and zero my queues' control words, barrier,
 //              then build rank_prefix_matrix and what the host needs; blocks 1..R build channel_prefix_matrix
 //              (tokens of each channel bound for each destination, prefix-summed over channels).
+//   (both)     one block a channel, claimed at the start so that no two working blocks share a TPC
+//              (placement.cuh: the host launches more blocks than channels, the spare ones return at once).
 //   dispatch   one block a channel, its warps in groups (DispatchRoles): for each other rank a sending group
 //              pushes the channel's tokens for that rank through ring (channel, me) in its buffer, chunk by chunk,
 //              publishing the tail, and a draining group copies ring (channel, that rank) of my buffer into recv_x
@@ -27,6 +29,7 @@
 #include "bf16.cuh"
 #include "copy.cuh"
 #include "intranode.cuh"
+#include "placement.cuh"
 #include "ptx.cuh"
 #include "timeline.cuh"
 #include "wait.cuh"
@@ -355,7 +358,7 @@ __device__ __forceinline__ void copy_scales_past_held(float* to, const float* fr
 
 template <int kNumRanks, int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1)
-intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales, const int64_t* topk_idx,
+intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x, const float* x_scales, const int64_t* topk_idx,
                    const float* topk_weights, const bool* is_token_in_rank, const int* channel_prefix_matrix,
                    const int* rank_prefix_matrix, const int* device_status, int4* recv_x, float* recv_x_scales,
                    int* recv_src_idx, int64_t* recv_topk_idx, float* recv_topk_weights, int* recv_channel_offset,
@@ -363,12 +366,13 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
                    int num_experts, int num_channels, int num_slots, int num_max_send_tokens, int num_worst_tokens,
                    uint64_t* timeline) {
     constexpr int kNumWarps = kNumThreads / 32;
-    if (*device_status != 0) return;  // notify found a problem: every rank stops here, before any send
+    const int channel = claim_channel(claims, peers, num_channels);  // every block claims, even to stop
+    // No channel for this block; or notify found a problem: every rank stops here, before any send.
+    if (channel < 0 || *device_status != 0) return;
     timeline_start(timeline, kNormalAtStart);
 
     using Roles = DispatchRoles<kNumRanks, kNumWarps>;
     const int me = peers->nvl_rank;
-    const int channel = static_cast<int>(blockIdx.x);
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
     const Roles roles(warp, me);
     const int peer = roles.peer;
@@ -509,7 +513,7 @@ intranode_dispatch(const PeersTable* peers, const int4* x, const float* x_scales
     if (num_worst_tokens > 0) {
         const int total = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + me];
         for (int64_t row = total + static_cast<int64_t>(channel) * kNumThreads + threadIdx.x; row < num_worst_tokens;
-             row += static_cast<int64_t>(gridDim.x) * kNumThreads) {
+             row += static_cast<int64_t>(num_channels) * kNumThreads) {
             recv_src_idx[row] = -1;
             for (int k = 0; k < num_topk && recv_topk_idx != nullptr; ++k) {
                 recv_topk_idx[row * num_topk + k] = -1;
@@ -531,16 +535,17 @@ __global__ void intranode_combine_prepare(const PeersTable* peers, int num_chann
 
 template <int kNumRanks, int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1)
-intranode_combine(const PeersTable* peers, const int4* y, const float* y_topk_weights, const int4* bias0,
+intranode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y, const float* y_topk_weights, const int4* bias0,
                   const int4* bias1, const int* rank_prefix_matrix, const int* recv_channel_offset,
                   const int* send_head, int4* out_x, float* out_topk_weights, int num_tokens, int hidden,
                   int num_topk, int num_channels, int num_slots, int num_max_send_tokens, uint64_t* timeline) {
     constexpr int kNumWarps = kNumThreads / 32;
+    const int channel = claim_channel(claims, peers, num_channels);
+    if (channel < 0) return;
     timeline_start(timeline, kNormalAtStart);
     using Roles = CombineRoles<kNumRanks, kNumWarps>;
     constexpr int kNumReaders = Roles::kNumReaders;
     const int me = peers->nvl_rank;
-    const int channel = static_cast<int>(blockIdx.x);
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
     const int row_int4 = hidden / 8;
     const Roles roles(warp, me);

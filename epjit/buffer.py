@@ -32,7 +32,7 @@ from .errors import ArgumentError, ArgumentTypeError, EpjitError, SetupError, wi
 from .group import Group
 from .kernels import IntranodeNotifySpec, IntranodeSpec, LayoutSpec
 from .kernels.foundation import TIMELINE_SLOTS
-from .kernels.intranode import META_INTS, NOTIFY_TIMELINE_POINTS, NUM_THREADS, intranode_min_nvl_bytes
+from .kernels.intranode import CLAIMS_INTS, META_INTS, NOTIFY_TIMELINE_POINTS, NUM_THREADS, intranode_min_nvl_bytes
 from .kernels.intranode import TIMELINE_POINTS as NORMAL_TIMELINE_POINTS
 from .kernels.low_latency import (
     FLAG_FP8,
@@ -226,7 +226,7 @@ class _Profile:
             t0 = stamps[:, 0][stamps[:, 0] > 0].min(initial=np.iinfo(np.int64).max)
             out[name] = [(int(row[TIMELINE_SLOTS - 1]) - 1,
                           *(round((int(v) - t0) / 1e3) if v > 0 else -1 for v in row[:len(points)]))
-                         for row in stamps]
+                         for row in stamps if row[0] > 0]  # blocks that never started work (spares) left out
         return out
 
 
@@ -457,6 +457,10 @@ class Buffer:
             with self._device:
                 self.comm_stream = cupy.cuda.Stream(non_blocking=True)
                 self._device_status = cupy.zeros(1, dtype=cupy.int32)
+                # cuda_src/placement.cuh's ChannelClaims for dispatch, then for combine: zero before the first
+                # launch; each launch's last block zeroes them for the next.
+                self._claims = cupy.zeros(2 * CLAIMS_INTS, dtype=cupy.int32)
+            self._num_device_sms = int(self._device.attributes["MultiProcessorCount"])
             self._pending_status: tuple[Event, int] | None = None  # worst-token notify not yet checked
             self._recv_rates: collections.deque[float] = collections.deque(maxlen=_RATE_HISTORY)  # rows a token
             self._dispatch_retries = 0  # dispatches run again because their outputs were too small (tests read it)
@@ -540,6 +544,11 @@ class Buffer:
                 self._host_out.close()
             self._host_out = MappedHostArray(max(need, 4096))
         return self._host_out
+
+    def _grid(self, num_channels: int) -> int:
+        """Blocks a normal-mode kernel launches: twice its channels (at most one a device SM), so the channels go
+        to blocks alone on their TPC (cuda_src/placement.cuh); the spare blocks return at once."""
+        return max(num_channels, min(2 * num_channels, self._num_device_sms))
 
     def _begin(self, previous_event: Event | None) -> Any:
         """Order the communication stream after the caller's work; returns the caller's stream."""
@@ -957,6 +966,7 @@ class Buffer:
             in_rank = _address(in_rank)
             per_rank = per_expert = invalid = 0
         host_ints = host.ints
+        grid = self._grid(num_channels)
         with comm:  # CuPy allocates on the communication stream (the handle's ints, CuPy callers' outputs)
             for attempt in range(2):
                 rank_prefix, channel_prefix, recv_channel_offset, send_head, recv_src = self._dispatch_ints(
@@ -973,13 +983,13 @@ class Buffer:
                     stream=comm)
                 profile.mark("notify", comm)
                 self._main_module.launch(
-                    "intranode_dispatch", num_channels, NUM_THREADS, table, x_arg, scales_arg,
+                    "intranode_dispatch", grid, NUM_THREADS, table, self._claims.data.ptr, x_arg, scales_arg,
                     0 if idx_arg is None else idx_arg, 0 if w_arg is None else w_arg, in_rank,
                     channel_prefix.ptr, rank_prefix.ptr, status, _address(outs[0]), _address(outs[1]),
                     recv_src.ptr, _address(outs[2]), _address(outs[3]), recv_channel_offset.ptr,
                     send_head.ptr, num_tokens, hidden, hidden * (1 if fp8 else 2) // 16, num_scales, num_topk,
                     num_experts_, num_channels, config.nvl_chunk_recv, config.nvl_chunk_send, num_worst_tokens,
-                    profile.timeline("dispatch", num_channels, NORMAL_TIMELINE_POINTS), stream=comm)
+                    profile.timeline("dispatch", grid, NORMAL_TIMELINE_POINTS), stream=comm)
                 profile.mark("dispatch", comm)
                 # The caller's stream waits for the kernels now, before the host waits for the counts: else a host
                 # slower than dispatch would put its own time on the caller's stream.
@@ -1089,12 +1099,14 @@ class Buffer:
                     else None
         self._notify_module.launch("intranode_combine_prepare", 1, 128, table, handle.num_channels, stream=comm)
         profile.mark("prepare", comm)
+        grid = self._grid(handle.num_channels)
         self._main_module.launch(
-            "intranode_combine", handle.num_channels, NUM_THREADS, table, y_arg, 0 if w_arg is None else w_arg,
+            "intranode_combine", grid, NUM_THREADS, table, self._claims.data.ptr + 4 * CLAIMS_INTS, y_arg,
+            0 if w_arg is None else w_arg,
             biases[0] if biases else 0, biases[1] if len(biases) > 1 else 0, handle.rank_prefix_ints.ptr,
             handle.recv_channel_offset_ints.ptr, handle.send_head_ints.ptr, _address(out), _address(out_w),
             handle.num_tokens, handle.hidden, handle.num_topk, handle.num_channels, config.nvl_chunk_recv,
-            config.nvl_chunk_send, profile.timeline("combine", handle.num_channels, NORMAL_TIMELINE_POINTS),
+            config.nvl_chunk_send, profile.timeline("combine", grid, NORMAL_TIMELINE_POINTS),
             stream=comm)
         profile.mark("combine", comm)
         event = self._finish(caller, async_finish)

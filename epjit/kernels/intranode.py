@@ -12,6 +12,8 @@ NUM_THREADS = 768  # 24 warps a block: splits evenly among 1, 2, 3, 4, 6 and 8 r
 # EPJIT_PROFILE: enum IntranodePoint of cuda_src/intranode.cu, in order (stamps per block, timeline.cuh)
 TIMELINE_POINTS = ("start", "own_copied", "first_tail", "sent", "received", "last_tail")
 NOTIFY_TIMELINE_POINTS = ("start", "written", "barrier", "end")  # enum NotifyPoint
+CLAIMS = ("claims", "ChannelClaims*")  # cuda_src/placement.cuh: which block serves which channel
+CLAIMS_INTS = 2 + 128  # sizeof(ChannelClaims) / 4: next, arrived, tpc_taken[kMaxTpcs]
 META_INTS = 8  # intranode.cuh kMetaInts: {hidden, num_experts, num_topk, flags, recv_capacity, 0, 0, 0} a rank
 META_COMPARED = 4  # kMetaCompared: the first four must agree across ranks
 
@@ -56,7 +58,7 @@ class IntranodeSpec(KernelSpec):
     SOURCE = "intranode.cu"
     KERNELS = {
         "intranode_dispatch": (
-            PEERS, ("x", "const int4*"), ("x_scales", "const float*"), ("topk_idx", "const int64_t*"),
+            PEERS, CLAIMS, ("x", "const int4*"), ("x_scales", "const float*"), ("topk_idx", "const int64_t*"),
             ("topk_weights", "const float*"), ("is_token_in_rank", "const bool*"),
             ("channel_prefix_matrix", "const int*"), ("rank_prefix_matrix", "const int*"),
             ("device_status", "const int*"), ("recv_x", "int4*"), ("recv_x_scales", "float*"),
@@ -66,7 +68,7 @@ class IntranodeSpec(KernelSpec):
             ("num_channels", "int"), ("num_slots", "int"), ("num_max_send_tokens", "int"),
             ("num_worst_tokens", "int"), ("timeline", "uint64_t*")),
         "intranode_combine": (
-            PEERS, ("y", "const int4*"), ("y_topk_weights", "const float*"), ("bias0", "const int4*"),
+            PEERS, CLAIMS, ("y", "const int4*"), ("y_topk_weights", "const float*"), ("bias0", "const int4*"),
             ("bias1", "const int4*"), ("rank_prefix_matrix", "const int*"), ("recv_channel_offset", "const int*"),
             ("send_head", "const int*"), ("out_x", "int4*"), ("out_topk_weights", "float*"), ("num_tokens", "int"),
             ("hidden", "int"), ("num_topk", "int"), ("num_channels", "int"), ("num_slots", "int"),
