@@ -369,7 +369,7 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
     const int channel = claim_channel(claims, peers, num_channels);  // every block claims, even to stop
     // No channel for this block; or notify found a problem: every rank stops here, before any send.
     if (channel < 0 || *device_status != 0) return;
-    timeline_start(timeline, kNormalAtStart);
+    timeline_start(timeline, kNormalAtStart, channel);
 
     using Roles = DispatchRoles<kNumRanks, kNumWarps>;
     const int me = peers->nvl_rank;
@@ -542,7 +542,7 @@ intranode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y,
     constexpr int kNumWarps = kNumThreads / 32;
     const int channel = claim_channel(claims, peers, num_channels);
     if (channel < 0) return;
-    timeline_start(timeline, kNormalAtStart);
+    timeline_start(timeline, kNormalAtStart, channel);
     using Roles = CombineRoles<kNumRanks, kNumWarps>;
     constexpr int kNumReaders = Roles::kNumReaders;
     const int me = peers->nvl_rank;

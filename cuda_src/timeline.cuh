@@ -9,6 +9,7 @@ namespace epjit {
 
 constexpr int kTimelineSlots = 8;
 constexpr int kTimelineSmSlot = kTimelineSlots - 1;  // the block's SM id + 1 (0: no stamp), by timeline_start
+constexpr int kTimelineTagSlot = kTimelineSlots - 2;  // what the block worked on + 1 (a channel), by timeline_start
 
 // The latest moment any caller of this block reached `point`: several warp groups of a block may each mark it
 // (the max says when the last of them got there).
@@ -23,10 +24,12 @@ __device__ __forceinline__ void timeline_mark(uint64_t* timeline, int point) {
     if (threadIdx.x == 0) timeline_mark_latest(timeline, point);
 }
 
-// A kernel's first point: thread 0's moment, and the SM the block landed on.
-__device__ __forceinline__ void timeline_start(uint64_t* timeline, int point) {
+// A kernel's first point: thread 0's moment, the SM the block landed on and what it works on (tag >= 0: a channel).
+__device__ __forceinline__ void timeline_start(uint64_t* timeline, int point, int tag = -1) {
     if (threadIdx.x == 0 && timeline != nullptr) {
         timeline[blockIdx.x * kTimelineSlots + kTimelineSmSlot] = ptx::smid() + 1;
+        // Only kernels of at most kTimelineTagSlot points tag (the low-latency ones use the slot for a point).
+        if (tag >= 0) timeline[blockIdx.x * kTimelineSlots + kTimelineTagSlot] = static_cast<uint64_t>(tag + 1);
         timeline_mark_latest(timeline, point);
     }
 }

@@ -477,7 +477,8 @@ def _bench_case(buf: Any, group: Any, dist: Any, mode: str, tokens: int, hidden:
         if group.rank == 0:
             print(f"  profile {mode} {tokens}x{hidden} sms={cfg.num_sms}: {prof}", flush=True)
         for name, rows in buf.profile_blocks().items():  # every rank's: a channel's two ends are on two ranks
-            print(f"  blocks {mode} {name} (sm, points...): {rows}", flush=True)
+            print(f"  blocks {mode} {name} (sm, channel, points...): {sorted(rows, key=lambda b: b[1])}",
+                  flush=True)
 
     nccl_us = None
     if not args.no_nccl:

@@ -218,13 +218,15 @@ class _Profile:
         return out
 
     def blocks(self) -> dict[str, list[tuple[int, ...]]]:
-        """Per kernel, one row a block: its SM, then its points in microseconds from the kernel's first block's
-        start (-1: not reached). Which blocks are late, and whether they share a TPC or GPC, is in here."""
+        """Per kernel, one row a block: its SM, its tag (the channel it served; -1: none), then its points in
+        microseconds from the kernel's first block's start (-1: not reached). Which blocks are late, and whether
+        they share a TPC or GPC, is in here."""
         out: dict[str, list[tuple[int, ...]]] = {}
         for name, points, timeline in self.timelines:
             stamps = timeline.get().reshape(-1, TIMELINE_SLOTS).astype(np.int64)
             t0 = stamps[:, 0][stamps[:, 0] > 0].min(initial=np.iinfo(np.int64).max)
-            out[name] = [(int(row[TIMELINE_SLOTS - 1]) - 1,
+            tagged = len(points) < TIMELINE_SLOTS - 1  # else the tag slot holds a point (timeline.cuh)
+            out[name] = [(int(row[TIMELINE_SLOTS - 1]) - 1, int(row[TIMELINE_SLOTS - 2]) - 1 if tagged else -1,
                           *(round((int(v) - t0) / 1e3) if v > 0 else -1 for v in row[:len(points)]))
                          for row in stamps if row[0] > 0]  # blocks that never started work (spares) left out
         return out
@@ -492,7 +494,8 @@ class Buffer:
 
     def profile_blocks(self) -> dict[str, list[tuple[int, ...]]]:
         """The last call's stamps block by block (needs EPJIT_PROFILE=1): per kernel, one row a block with its SM
-        id, then its points in microseconds from the first block's start (-1: not reached)."""
+        id and its channel (-1: none), then its points in microseconds from the first block's start (-1: not
+        reached)."""
         return self._profile.blocks()
 
     # ------------------------------------------------------------------------------------------------ lifecycle
