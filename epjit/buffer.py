@@ -32,7 +32,14 @@ from .errors import ArgumentError, ArgumentTypeError, EpjitError, SetupError, wi
 from .group import Group
 from .kernels import IntranodeNotifySpec, IntranodeSpec, LayoutSpec
 from .kernels.foundation import TIMELINE_SLOTS
-from .kernels.intranode import CLAIMS_INTS, META_INTS, NOTIFY_TIMELINE_POINTS, NUM_THREADS, intranode_min_nvl_bytes
+from .kernels.intranode import (
+    CLAIMS_INTS,
+    META_INTS,
+    NOTIFY_TIMELINE_POINTS,
+    NUM_THREADS,
+    intranode_min_nvl_bytes,
+    normal_grid,
+)
 from .kernels.intranode import TIMELINE_POINTS as NORMAL_TIMELINE_POINTS
 from .kernels.low_latency import (
     FLAG_FP8,
@@ -549,9 +556,7 @@ class Buffer:
         return self._host_out
 
     def _grid(self, num_channels: int) -> int:
-        """Blocks a normal-mode kernel launches: twice its channels (at most one a device SM), so the channels go
-        to blocks alone on their TPC (cuda_src/placement.cuh); the spare blocks return at once."""
-        return max(num_channels, min(2 * num_channels, self._num_device_sms))
+        return normal_grid(num_channels, self._num_device_sms)
 
     def _begin(self, previous_event: Event | None) -> Any:
         """Order the communication stream after the caller's work; returns the caller's stream."""

@@ -23,6 +23,7 @@ from epjit.kernels.intranode import (
     NUM_THREADS,
     intranode_min_nvl_bytes,
     intranode_nvl_bytes,
+    normal_grid,
 )
 
 
@@ -114,3 +115,13 @@ def test_notify_meta_and_status_mirror_the_kernel():
 def test_minimum_covers_control_words_counts_and_meta():
     assert intranode_min_nvl_bytes(8, 64) == intranode_nvl_bytes(8, 64, 0, 0, 0, 0, 0)
     assert intranode_min_nvl_bytes(8, 64) >= (6 * 64 * 8 + 8 * 8 + 8 * 4) * 4
+
+
+def test_normal_grid_launches_spare_blocks_for_the_channel_claims():
+    """Twice the channels, so every channel can find a block alone on its TPC; capped by the SMs, never below the
+    channels (a block a channel is what the kernels need)."""
+    assert normal_grid(24, 132) == 48
+    assert normal_grid(100, 132) == 132
+    assert normal_grid(128, 120) == 128
+    source = (CUDA_SRC / "placement.cuh").read_text()
+    assert "ptx::smid() / 2" in source  # a TPC is SMs 2k and 2k + 1

@@ -82,6 +82,12 @@ class IntranodeSpec(KernelSpec):
                              f"{self.num_ranks} ranks (one warp and one named barrier each, 15 barriers)")
 
 
+def normal_grid(num_channels: int, num_device_sms: int) -> int:
+    """Blocks a normal-mode kernel launches: twice its channels, at most one a device SM, never fewer than its
+    channels. The channels go to blocks alone on their TPC (cuda_src/placement.cuh); the spare blocks return."""
+    return max(num_channels, min(2 * num_channels, num_device_sms))
+
+
 def _align128(n: int) -> int:
     return (n + 127) // 128 * 128
 
