@@ -72,6 +72,15 @@ __device__ __forceinline__ void channel_range(int num_tokens, int num_channels, 
     end = min(begin + per, num_tokens);
 }
 
+// Whether tokens t .. t + 31 go to rank `dst` (bit i: token t + i; 0 past `end`), one load a warp: the token
+// loops walk this mask instead of loading each token's flag in turn, a dependent memory round trip a token.
+__device__ __forceinline__ uint32_t selected_window(const bool* is_token_in_rank, int t, int end, int dst,
+                                                    int num_ranks, int lane) {
+    const int token = t + lane;
+    return __ballot_sync(0xffffffffu,
+                         token < end && is_token_in_rank[static_cast<int64_t>(token) * num_ranks + dst]);
+}
+
 // A sender's flow control: before a chunk, wait until the ring (channel, me) at the receiver has room for a whole
 // chunk, i.e. at most num_slots - chunk of its slots are still unread. `head` caches the receiver's head, which
 // lives across NVLink: it is read again only when the cached value says the ring may be full. One lane waits;
@@ -390,11 +399,15 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
         const int64_t row0 = (me > 0 ? rank_prefix_matrix[(me - 1) * kNumRanks + me] : 0) +
                              (channel > 0 ? channel_prefix_matrix[me * num_channels + channel - 1] : 0);
         if (group_thread == 0) recv_channel_offset[me * num_channels + channel] = static_cast<int>(row0);
-        for (int t = begin, n = 0; t < end; ++t) {
-            const bool selected = is_token_in_rank[static_cast<int64_t>(t) * kNumRanks + me];
-            if (group_thread == 0) send_head[static_cast<int64_t>(t) * kNumRanks + me] = selected ? n : -n - 1;
-            if (!selected) continue;
-            if (n % group_warps == warp_in_rank) {
+        for (int t0 = begin, n = 0; t0 < end; t0 += 32) {
+            const uint32_t window = selected_window(is_token_in_rank, t0, end, me, kNumRanks, lane);
+            if (warp_in_rank == 0 && t0 + lane < end) {  // lane i: token t0 + i's receipt
+                const int before = n + __popc(window & ((1u << lane) - 1));
+                send_head[static_cast<int64_t>(t0 + lane) * kNumRanks + me] = window >> lane & 1 ? before : -before - 1;
+            }
+            for (uint32_t w = window; w != 0; w &= w - 1, ++n) {
+                if (n % group_warps != warp_in_rank) continue;
+                const int t = t0 + __ffs(static_cast<int>(w)) - 1;
                 const int64_t row = row0 + n;
                 TokenFields fields;
                 fields.load_inputs(t, topk_idx, topk_weights, x_scales, num_topk, num_scales, lo, hi, lane);
@@ -403,7 +416,6 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
                                                  num_topk, num_scales, lane);
                 copy_scales_past_held(scales, x_scales + static_cast<int64_t>(t) * num_scales, num_scales, lane);
             }
-            ++n;
         }
         roles.sync();
         if (group_thread == 0) timeline_mark_latest(timeline, kNormalAtOwnCopied);
@@ -427,8 +439,10 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
         for (int t = begin; t < end; chunk_limit = min(2 * chunk_limit, num_max_send_tokens)) {
             wait_for_ring_room(peers, "intranode_dispatch sender: ring space (head)", dst.dispatch_head(q), tail, head,
                                num_slots, num_max_send_tokens, peer_rank, channel, lane);
-            for (int chunk = 0; chunk < chunk_limit && t < end; ++t) {
-                const bool selected = is_token_in_rank[static_cast<int64_t>(t) * kNumRanks + peer];
+            uint32_t window = 0;
+            for (int chunk = 0, k = 32; chunk < chunk_limit && t < end; ++t, ++k) {
+                if (k == 32) window = selected_window(is_token_in_rank, t, end, peer, kNumRanks, lane), k = 0;
+                const bool selected = window >> k & 1;
                 if (group_thread == 0) send_head[static_cast<int64_t>(t) * kNumRanks + peer] = selected ? tail : -tail - 1;
                 if (!selected) continue;
                 const int slot = tail % num_slots;
