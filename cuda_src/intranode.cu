@@ -367,9 +367,10 @@ __device__ __forceinline__ void copy_scales_past_held(float* to, const float* fr
 
 template <int kNumRanks, int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1)
-intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x, const float* x_scales, const int64_t* topk_idx,
-                   const float* topk_weights, const bool* is_token_in_rank, const int* channel_prefix_matrix,
-                   const int* rank_prefix_matrix, const int* device_status, int4* recv_x, float* recv_x_scales,
+intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x, const float* x_scales,
+                   const int64_t* topk_idx, const float* topk_weights, const bool* is_token_in_rank,
+                   const int* channel_prefix_matrix, const int* rank_prefix_matrix, const int* device_status,
+                   int4* recv_x, float* recv_x_scales,
                    int* recv_src_idx, int64_t* recv_topk_idx, float* recv_topk_weights, int* recv_channel_offset,
                    int* send_head, int num_tokens, int hidden, int x_row_int4, int num_scales, int num_topk,
                    int num_experts, int num_channels, int num_slots, int num_max_send_tokens, int num_worst_tokens,
@@ -549,8 +550,8 @@ __global__ void intranode_combine_prepare(const PeersTable* peers, int num_chann
 
 template <int kNumRanks, int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1)
-intranode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y, const float* y_topk_weights, const int4* bias0,
-                  const int4* bias1, const int* rank_prefix_matrix, const int* recv_channel_offset,
+intranode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y, const float* y_topk_weights,
+                  const int4* bias0, const int4* bias1, const int* rank_prefix_matrix, const int* recv_channel_offset,
                   const int* send_head, int4* out_x, float* out_topk_weights, int num_tokens, int hidden,
                   int num_topk, int num_channels, int num_slots, int num_max_send_tokens, uint64_t* timeline) {
     constexpr int kNumWarps = kNumThreads / 32;
