@@ -214,8 +214,7 @@ class _Profile:
         # Each kernel's points in microseconds from its first block's start: earliest, median and latest block (a
         # block that never reached a point is left out).
         for name, points, timeline in self.timelines:
-            stamps = timeline.get().reshape(-1, TIMELINE_SLOTS).astype(np.int64)
-            t0 = stamps[:, 0][stamps[:, 0] > 0].min(initial=np.iinfo(np.int64).max)
+            stamps, t0 = self._stamps(timeline)
             for i, point in enumerate(points):
                 reached = stamps[:, i][stamps[:, i] > 0]
                 if len(reached):
@@ -224,14 +223,19 @@ class _Profile:
                     out[f"{name}:{point}:max"] = round(float(reached.max() - t0) / 1e3, 1)
         return out
 
+    @staticmethod
+    def _stamps(timeline: Any) -> tuple[np.ndarray, int]:
+        """A kernel's stamps, one row a block, and its first block's start (ns)."""
+        stamps = timeline.get().reshape(-1, TIMELINE_SLOTS).astype(np.int64)
+        return stamps, int(stamps[:, 0][stamps[:, 0] > 0].min(initial=np.iinfo(np.int64).max))
+
     def blocks(self) -> dict[str, list[tuple[int, ...]]]:
         """Per kernel, one row a block: its SM, its tag (the channel it served; -1: none), then its points in
         microseconds from the kernel's first block's start (-1: not reached). Which blocks are late, and whether
         they share a TPC or GPC, is in here."""
         out: dict[str, list[tuple[int, ...]]] = {}
         for name, points, timeline in self.timelines:
-            stamps = timeline.get().reshape(-1, TIMELINE_SLOTS).astype(np.int64)
-            t0 = stamps[:, 0][stamps[:, 0] > 0].min(initial=np.iinfo(np.int64).max)
+            stamps, t0 = self._stamps(timeline)
             tagged = len(points) < TIMELINE_SLOTS - 1  # else the tag slot holds a point (timeline.cuh)
             out[name] = [(int(row[TIMELINE_SLOTS - 1]) - 1, int(row[TIMELINE_SLOTS - 2]) - 1 if tagged else -1,
                           *(round((int(v) - t0) / 1e3) if v > 0 else -1 for v in row[:len(points)]))
@@ -469,6 +473,7 @@ class Buffer:
                 # cuda_src/placement.cuh's ChannelClaims for dispatch, then for combine: zero before the first
                 # launch; each launch's last block zeroes them for the next.
                 self._claims = cupy.zeros(2 * CLAIMS_INTS, dtype=cupy.int32)
+                self._claims_ptrs = (self._claims.data.ptr, self._claims.data.ptr + self._claims.itemsize * CLAIMS_INTS)
             self._num_device_sms = int(self._device.attributes["MultiProcessorCount"])
             self._pending_status: tuple[Event, int] | None = None  # worst-token notify not yet checked
             self._recv_rates: collections.deque[float] = collections.deque(maxlen=_RATE_HISTORY)  # rows a token
@@ -991,7 +996,7 @@ class Buffer:
                     stream=comm)
                 profile.mark("notify", comm)
                 self._main_module.launch(
-                    "intranode_dispatch", grid, NUM_THREADS, table, self._claims.data.ptr, x_arg, scales_arg,
+                    "intranode_dispatch", grid, NUM_THREADS, table, self._claims_ptrs[0], x_arg, scales_arg,
                     0 if idx_arg is None else idx_arg, 0 if w_arg is None else w_arg, in_rank,
                     channel_prefix.ptr, rank_prefix.ptr, status, _address(outs[0]), _address(outs[1]),
                     recv_src.ptr, _address(outs[2]), _address(outs[3]), recv_channel_offset.ptr,
@@ -1109,7 +1114,7 @@ class Buffer:
         profile.mark("prepare", comm)
         grid = self._grid(handle.num_channels)
         self._main_module.launch(
-            "intranode_combine", grid, NUM_THREADS, table, self._claims.data.ptr + 4 * CLAIMS_INTS, y_arg,
+            "intranode_combine", grid, NUM_THREADS, table, self._claims_ptrs[1], y_arg,
             0 if w_arg is None else w_arg,
             biases[0] if biases else 0, biases[1] if len(biases) > 1 else 0, handle.rank_prefix_ints.ptr,
             handle.recv_channel_offset_ints.ptr, handle.send_head_ints.ptr, _address(out), _address(out_w),

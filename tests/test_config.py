@@ -18,6 +18,7 @@ from epjit.config import (
 )
 from epjit.jit.toolchain import CUDA_SRC
 from epjit.kernels.intranode import (
+    CLAIMS_INTS,
     META_COMPARED,
     META_INTS,
     NUM_THREADS,
@@ -125,3 +126,4 @@ def test_normal_grid_launches_spare_blocks_for_the_channel_claims():
     assert normal_grid(128, 120) == 128
     source = (CUDA_SRC / "placement.cuh").read_text()
     assert "ptx::smid() / 2" in source  # a TPC is SMs 2k and 2k + 1
+    assert f"kMaxTpcs = {CLAIMS_INTS - 2};" in source  # the host allocates next, arrived, tpc_taken[kMaxTpcs]

@@ -57,8 +57,7 @@ class CopyCeilingSpec(KernelSpec):
     SOURCE = "ceiling.cu"
     KERNELS = {
         "copy_ceiling": (PEERS, ("dst_mask", "int"), ("schedule", "int"), ("pull", "int"), ("skew", "int"),
-                         ("src", "const int4*"),
-                         ("n_int4", "int64_t")),
+                         ("src", "const int4*"), ("n_int4", "int64_t")),
         "copy_ceiling_bulk": (PEERS, ("dst_mask", "int"), ("src", "const char*"), ("n_bytes", "int64_t"),
                               ("stage_bytes", "int")),
     }
