@@ -40,7 +40,7 @@ __device__ __forceinline__ int claim_channel(ChannelClaims* claims, const PeersT
                               seen = ptx::ld_volatile_s32(&claims->next);
                               return seen < num_channels && ptx::globaltimer_ns() < deadline;
                           });
-            if (ptx::ld_volatile_s32(&claims->next) < num_channels) channel = atomicAdd(&claims->next, 1);
+            channel = atomicAdd(&claims->next, 1);  // num_channels or more: none left
         }
         s_channel = channel < num_channels ? channel : -1;
         // This block's claims come before its arrival, and the last arrival sees every block's before it resets.

@@ -560,9 +560,6 @@ class Buffer:
             self._host_out = MappedHostArray(max(need, 4096))
         return self._host_out
 
-    def _grid(self, num_channels: int) -> int:
-        return normal_grid(num_channels, self._num_device_sms)
-
     def _begin(self, previous_event: Event | None) -> Any:
         """Order the communication stream after the caller's work; returns the caller's stream."""
         cupy = _cupy()
@@ -979,7 +976,7 @@ class Buffer:
             in_rank = _address(in_rank)
             per_rank = per_expert = invalid = 0
         host_ints = host.ints
-        grid = self._grid(num_channels)
+        grid = normal_grid(num_channels, self._num_device_sms)
         with comm:  # CuPy allocates on the communication stream (the handle's ints, CuPy callers' outputs)
             for attempt in range(2):
                 rank_prefix, channel_prefix, recv_channel_offset, send_head, recv_src = self._dispatch_ints(
@@ -1112,7 +1109,7 @@ class Buffer:
                     else None
         self._notify_module.launch("intranode_combine_prepare", 1, 128, table, handle.num_channels, stream=comm)
         profile.mark("prepare", comm)
-        grid = self._grid(handle.num_channels)
+        grid = normal_grid(handle.num_channels, self._num_device_sms)
         self._main_module.launch(
             "intranode_combine", grid, NUM_THREADS, table, self._claims_ptrs[1], y_arg,
             0 if w_arg is None else w_arg,
