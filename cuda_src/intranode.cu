@@ -98,15 +98,21 @@ __device__ __forceinline__ void wait_for_ring_room(const PeersTable* peers, cons
     __syncwarp();
 }
 
-// The warp groups of a dispatch block (named barrier group + 1). On uniform routing every group moves about the
-// same bytes (one source's or one destination's share of the channel), so each gets the same warps; warps left
-// over by the division idle.
+// The warp groups of a dispatch block (named barrier group + 1): a sending and a draining group for each other
+// rank, then the own copy. Senders set the pace (a drain copies what has arrived, and a warp keeps only one batch
+// of a row in flight), so they get the warps the own copy does not need: on 2 ranks 10 / 8 / 6, on 4 ranks
+// 4 / 3 / 3 a peer (equal groups had the own copy done at ~65% of the senders' time on 2 x H200, and left 3 warps
+// idle on 4 ranks).
 template <int kNumRanks, int kNumWarps>
 struct DispatchRoles {
     enum Role { kSend, kDrain, kOwn, kIdle };
-    static constexpr int kGroups = 2 * (kNumRanks - 1) + 1;  // send to and drain each other rank, own copy
-    static constexpr int kPerGroup = kNumWarps / kGroups;
-    static_assert(kPerGroup >= 1, "too few warps for this many ranks");
+    static constexpr int kPeers = kNumRanks - 1;
+    static constexpr int kGroups = 2 * kPeers + 1;  // send to and drain each other rank, own copy
+    static constexpr int kOwnWarps = kPeers == 0 ? kNumWarps : kNumWarps / (2 * kNumRanks);
+    static constexpr int kDrainWarps = kPeers == 0 ? 0 : kNumWarps / kGroups;
+    static constexpr int kSendWarps = kPeers == 0 ? 0 : (kNumWarps - kOwnWarps - kPeers * kDrainWarps) / kPeers;
+    static_assert(kOwnWarps >= 1 && (kPeers == 0 || (kDrainWarps >= 1 && kSendWarps >= kDrainWarps)),
+                  "too few warps for this many ranks");
     static_assert(kGroups <= 15, "named barriers 1..15 name the groups");
     Role role;
     int group;          // named barrier group + 1
@@ -114,17 +120,20 @@ struct DispatchRoles {
     int warp_in_group;
 
     __device__ DispatchRoles(int warp, int me) {
-        group = warp / kPerGroup;
-        warp_in_group = warp % kPerGroup;
-        if (group < kNumRanks - 1) {
+        constexpr int kSendEnd = kPeers * kSendWarps, kDrainEnd = kSendEnd + kPeers * kDrainWarps;
+        if (warp < kSendEnd) {
+            group = warp / kSendWarps, warp_in_group = warp % kSendWarps;
             role = kSend, peer = (me + 1 + group) % kNumRanks;
-        } else if (group < 2 * (kNumRanks - 1)) {
-            role = kDrain, peer = (me + 1 + group - (kNumRanks - 1)) % kNumRanks;
+        } else if (warp < kDrainEnd) {
+            group = kPeers + (warp - kSendEnd) / kDrainWarps, warp_in_group = (warp - kSendEnd) % kDrainWarps;
+            role = kDrain, peer = (me + 1 + group - kPeers) % kNumRanks;
         } else {
-            role = group == kGroups - 1 ? kOwn : kIdle, peer = me;
+            group = kGroups - 1, warp_in_group = warp - kDrainEnd;
+            role = warp_in_group < kOwnWarps ? kOwn : kIdle, peer = me;
         }
     }
-    __device__ void sync() const { ptx::bar_sync(group + 1, kPerGroup * 32); }
+    __device__ int warps() const { return role == kSend ? kSendWarps : role == kDrain ? kDrainWarps : kOwnWarps; }
+    __device__ void sync() const { ptx::bar_sync(group + 1, warps() * 32); }
 };
 
 // The warps of a combine block: sending groups first (one per other rank, named barrier group + 1), then the
@@ -387,7 +396,6 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
     const Roles roles(warp, me);
     const int peer = roles.peer;
     const int warp_in_rank = roles.warp_in_group;
-    constexpr int group_warps = Roles::kPerGroup;
     const int group_thread = warp_in_rank * 32 + lane;
     const int peer_rank = peers->rank - me + peer;
     const int num_local_experts = num_experts / kNumRanks;
@@ -396,6 +404,7 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
     channel_range(num_tokens, num_channels, channel, begin, end);
 
     if (roles.role == Roles::kOwn) {
+        constexpr int group_warps = Roles::kOwnWarps;
         // My own tokens go straight from x to recv_x: their rows follow the other ranks' as for any source.
         const int64_t row0 = (me > 0 ? rank_prefix_matrix[(me - 1) * kNumRanks + me] : 0) +
                              (channel > 0 ? channel_prefix_matrix[me * num_channels + channel - 1] : 0);
@@ -423,6 +432,7 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
     }
 
     if (roles.role == Roles::kSend) {
+        constexpr int group_warps = Roles::kSendWarps > 0 ? Roles::kSendWarps : 1;  // 1 rank: never sends
         const IntranodeLayout dst(nvl_ptr(peers, peer, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
                                   num_topk, num_scales, 0);
         const int q = dst.queue(channel, me);
@@ -467,6 +477,7 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
 
     // Draining group: copy the ring that rank `peer` fills for this channel into recv_x.
     if (roles.role == Roles::kDrain) {
+        constexpr int group_warps = Roles::kDrainWarps > 0 ? Roles::kDrainWarps : 1;
         const IntranodeLayout mine(nvl_ptr(peers, me, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
                                    num_topk, num_scales, 0);
         const int q = mine.queue(channel, peer);

@@ -45,20 +45,27 @@ def test_defaults_are_valid_and_share_channels(ranks):
     d, c = get_dispatch_config(ranks), get_combine_config(ranks)
     assert d.num_sms <= 24 and d.num_channels == c.num_channels
     assert c.nvl_chunk_send == 12  # combine readers wait for whole chunks: 18 cost 2 x H200 ~40 us (config.py)
+    # Dispatch: four tokens a sending warp between tail updates (2 x H200: FP8 158.6 -> 149.0 us with 32, not 16).
+    assert d.nvl_chunk_send == max(12, 4 * dispatch_send_warps(ranks))
+    assert d.nvl_chunk_recv >= d.nvl_chunk_send + COMBINE_READERS
 
 
 def test_warp_roles_mirror_the_kernel():
     """The host's sending-warp counts (which size the default chunks) follow DispatchRoles / CombineRoles: every
     dispatch group gets the same warps, and combine's senders and readers together fill the block."""
     warps = NUM_THREADS // 32
-    assert [dispatch_send_warps(r) for r in (1, 2, 4, 8)] == [24, 8, 3, 1]
+    assert [dispatch_send_warps(r) for r in (1, 2, 4, 8)] == [0, 10, 4, 2]
     assert [combine_send_warps(r) for r in (1, 2, 4, 8)] == [0, 9, 4, 2]
     for r in (2, 4, 8):
-        assert (2 * (r - 1) + 1) * dispatch_send_warps(r) <= warps
+        own, drain = warps // (2 * r), warps // (2 * r - 1)  # DispatchRoles::kOwnWarps, kDrainWarps
+        assert own >= 1 and dispatch_send_warps(r) >= drain >= 1
+        assert own + (r - 1) * (drain + dispatch_send_warps(r)) <= warps
         assert (r - 1) * combine_send_warps(r) + 1 < warps  # a coordinator and at least one reader remain
     source = (CUDA_SRC / "intranode.cu").read_text()
     assert f"kMaxChannels = {MAX_CHANNELS};" in (CUDA_SRC / "intranode.cuh").read_text()
-    assert "kGroups = 2 * (kNumRanks - 1) + 1" in source
+    assert "kOwnWarps = kPeers == 0 ? kNumWarps : kNumWarps / (2 * kNumRanks)" in source
+    assert "kDrainWarps = kPeers == 0 ? 0 : kNumWarps / kGroups" in source
+    assert "kSendWarps = kPeers == 0 ? 0 : (kNumWarps - kOwnWarps - kPeers * kDrainWarps) / kPeers" in source
     assert "kNumWarps * 2 * (kNumRanks - 1) / (3 * kNumRanks - 1) / (kNumRanks - 1)" in source
 
 
