@@ -231,9 +231,19 @@ def _bench_ceiling(group: Any, args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+def case_config(mode: str, num_ranks: int, sms: int, chunk_send: int, chunk_recv: int) -> Any:
+    """The Config a normal-mode case runs with: the operation's own default chunk (what a call without config
+    gets: combine's differs from dispatch's), or chunk_send when given. Until 2026-11-23 combine was timed with
+    dispatch's chunk (2 ranks: 16 where a plain combine call uses 12)."""
+    from epjit.config import Config, get_combine_config, get_dispatch_config
+
+    default = get_combine_config(num_ranks) if mode == "combine" else get_dispatch_config(num_ranks)
+    return Config(sms, chunk_send or default.nvl_chunk_send, chunk_recv)
+
+
 def _bench_normal(group: Any, dist: Any, args: argparse.Namespace, modes: list[str]) -> list[Row]:
     import epjit
-    from epjit.config import Config, get_dispatch_config
+    from epjit.config import Config
 
     r = group.size
     hint = epjit.Buffer.get_normal_size_hint(r, max(args.hidden), args.topk, args.experts,
@@ -244,9 +254,8 @@ def _bench_normal(group: Any, dist: Any, args: argparse.Namespace, modes: list[s
         for hidden in args.hidden:
             for tokens in args.tokens:
                 for sms in args.sms:
-                    chunk = args.chunk_send or get_dispatch_config(group.size).nvl_chunk_send
-                    cfg = Config(sms, chunk, args.chunk_recv)
                     for mode in modes:
+                        cfg = case_config(mode, r, sms, args.chunk_send, args.chunk_recv)
                         rows.append(_bench_case(buf, group, dist, mode, tokens, hidden, args, cfg))
                         if group.rank == 0:
                             _print_row(rows[-1])

@@ -35,3 +35,16 @@ def test_summary_prints_earlier_rows_without_a_gpu(tmp_path, capsys):
     (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("combine")]
     assert line.split()[:6] == ["combine", "4096", "7168", "24", "4", "512.5"]
     assert "1.25" in line.split()
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_each_operation_is_timed_with_its_own_default_chunk(ranks):
+    from epjit.config import get_combine_config, get_dispatch_config
+
+    for mode, default in (("combine", get_combine_config(ranks)), ("dispatch", get_dispatch_config(ranks)),
+                          ("dispatch-fp8", get_dispatch_config(ranks))):
+        cfg = bench.case_config(mode, ranks, 24, 0, 256)
+        assert (cfg.num_sms, cfg.nvl_chunk_send, cfg.nvl_chunk_recv) == (24, default.nvl_chunk_send, 256), mode
+    assert bench.case_config("combine", ranks, 16, 20, 256).nvl_chunk_send == 20  # --chunk-send wins
+    # On 2 ranks the two defaults differ, which is what the benchmark once missed.
+    assert ranks != 2 or get_combine_config(2).nvl_chunk_send != get_dispatch_config(2).nvl_chunk_send
