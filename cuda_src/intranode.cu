@@ -439,8 +439,11 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
         if (group_thread == 0) {
             const int start = channel > 0 ? channel_prefix_matrix[peer * num_channels + channel - 1] : 0;
             const int finish = channel_prefix_matrix[peer * num_channels + channel];
-            ptx::st_release_sys_s32(dst.start(q), -start - 1);
-            ptx::st_release_sys_s32(dst.finish(q), -finish - 1);
+            // Relaxed: the receiver needs these values and nothing written before them (notify's barrier already
+            // ordered the zeroed control words before this kernel), and each release would stall this thread on a
+            // system-scope fence (~2.5 us) before the first chunk.
+            ptx::st_relaxed_sys_s32(dst.start(q), -start - 1);
+            ptx::st_relaxed_sys_s32(dst.finish(q), -finish - 1);
         }
         int tail = 0, head = 0;
         // Chunks start at one token a warp and double up to num_max_send_tokens: the receiver's first tail comes
