@@ -108,7 +108,8 @@ struct DispatchRoles {
     enum Role { kSend, kDrain, kOwn, kIdle };
     static constexpr int kPeers = kNumRanks - 1;
     static constexpr int kGroups = 2 * kPeers + 1;  // send to and drain each other rank, own copy
-    static constexpr int kOwnWarps = kPeers == 0 ? kNumWarps : kNumWarps / (2 * kNumRanks);
+    static constexpr int kOwnWarps = kPeers == 0 ? kNumWarps  // at least one warp, then W / 2R
+                                                 : (kNumWarps < 4 * kNumRanks ? 1 : kNumWarps / (2 * kNumRanks));
     static constexpr int kDrainWarps = kPeers == 0 ? 0 : kNumWarps / kGroups;
     static constexpr int kSendWarps = kPeers == 0 ? 0 : (kNumWarps - kOwnWarps - kPeers * kDrainWarps) / kPeers;
     static_assert(kOwnWarps >= 1 && (kPeers == 0 || (kDrainWarps >= 1 && kSendWarps >= kDrainWarps)),

@@ -60,7 +60,8 @@ def dispatch_send_warps(num_ranks: int) -> int:
     if num_ranks == 1:
         return 0
     warps = NUM_THREADS // 32
-    return (warps - warps // (2 * num_ranks) - (num_ranks - 1) * (warps // (2 * num_ranks - 1))) // (num_ranks - 1)
+    own = max(1, warps // (2 * num_ranks))
+    return (warps - own - (num_ranks - 1) * (warps // (2 * num_ranks - 1))) // (num_ranks - 1)
 
 
 def combine_send_warps(num_ranks: int) -> int:

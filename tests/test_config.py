@@ -63,7 +63,7 @@ def test_warp_roles_mirror_the_kernel():
         assert (r - 1) * combine_send_warps(r) + 1 < warps  # a coordinator and at least one reader remain
     source = (CUDA_SRC / "intranode.cu").read_text()
     assert f"kMaxChannels = {MAX_CHANNELS};" in (CUDA_SRC / "intranode.cuh").read_text()
-    assert "kOwnWarps = kPeers == 0 ? kNumWarps : kNumWarps / (2 * kNumRanks)" in source
+    assert "(kNumWarps < 4 * kNumRanks ? 1 : kNumWarps / (2 * kNumRanks))" in source  # kOwnWarps
     assert "kDrainWarps = kPeers == 0 ? 0 : kNumWarps / kGroups" in source
     assert "kSendWarps = kPeers == 0 ? 0 : (kNumWarps - kOwnWarps - kPeers * kDrainWarps) / kPeers" in source
     assert "kNumWarps * 2 * (kNumRanks - 1) / (3 * kNumRanks - 1) / (kNumRanks - 1)" in source

@@ -243,3 +243,16 @@ def test_ptxas_resources_of_the_intranode_kernels(capsys):
     _print_resources(IntranodeSpec(4, 768), "sm_90")
     printed = capsys.readouterr().out
     assert re.search(r"intranode_dispatch\s+\d+ registers, +\d+ B stack", printed), printed
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_intranode_compiles_with_the_fewest_warps_its_spec_accepts(ranks, tmp_path, monkeypatch):
+    """IntranodeSpec accepts one warp a dispatch group (2R - 1 warps); the kernel's DispatchRoles must then still
+    give every role a warp (its static_asserts are what would fail), and one warp fewer is refused on the host."""
+    from epjit.kernels import IntranodeSpec
+
+    monkeypatch.setenv("EPJIT_CACHE_DIR", str(tmp_path / "cache"))
+    warps = 2 * ranks - 1
+    assert compile_spec(IntranodeSpec(ranks, 32 * warps), "sm_90").lowered_names["intranode_dispatch"]
+    with pytest.raises(ValueError, match="cannot form"):
+        IntranodeSpec(ranks, 32 * (warps - 1))
