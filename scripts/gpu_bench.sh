@@ -20,7 +20,7 @@ bench() {  # name, then bench arguments
 }
 bench ceiling --modes ceiling --no-nccl --ceiling-sms 8 16 24 32
 bench normal --tokens 128 4096 8192 --modes dispatch dispatch-fp8 combine
-bench normal-sms --tokens 4096 --sms 8 16 32 --modes dispatch combine
+bench normal-sms --tokens 4096 --sms 8 16 32 128 --modes dispatch combine  # 128: every SM a Config takes ("all")
 bench low-latency --modes ll-dispatch ll-combine ll-hook --ll-tokens 1 32 128 256
 bench profile --tokens 4096 --modes dispatch combine --no-nccl --profile
 grep -h "profile\|buffer:\|floor\|host time" "$OUT"/*.log | cut -c1-600
