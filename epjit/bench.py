@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .config import Config, get_combine_config, get_dispatch_config
 from .kernels.low_latency import deepep_low_latency_size_hint
 
 PLAIN_STORE_CEILING_GBS = 345.0  # DESIGN.md, 4 x H200, 16-byte stores from all SMs, all ranks to all peers
@@ -231,19 +232,16 @@ def _bench_ceiling(group: Any, args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def case_config(mode: str, num_ranks: int, sms: int, chunk_send: int, chunk_recv: int) -> Any:
+def case_config(mode: str, num_ranks: int, sms: int, chunk_send: int, chunk_recv: int) -> Config:
     """The Config a normal-mode case runs with: the operation's own default chunk (what a call without config
     gets: combine's differs from dispatch's), or chunk_send when given. Until 2026-11-23 combine was timed with
     dispatch's chunk (2 ranks: 16 where a plain combine call uses 12)."""
-    from epjit.config import Config, get_combine_config, get_dispatch_config
-
     default = get_combine_config(num_ranks) if mode == "combine" else get_dispatch_config(num_ranks)
     return Config(sms, chunk_send or default.nvl_chunk_send, chunk_recv)
 
 
 def _bench_normal(group: Any, dist: Any, args: argparse.Namespace, modes: list[str]) -> list[Row]:
     import epjit
-    from epjit.config import Config
 
     r = group.size
     hint = epjit.Buffer.get_normal_size_hint(r, max(args.hidden), args.topk, args.experts,
