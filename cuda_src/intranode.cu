@@ -99,10 +99,10 @@ __device__ __forceinline__ void wait_for_ring_room(const PeersTable* peers, cons
 }
 
 // The warp groups of a dispatch block (named barrier group + 1): a sending and a draining group for each other
-// rank, then the own copy. Senders set the pace (a drain copies what has arrived, and a warp keeps only one batch
-// of a row in flight), so they get the warps the own copy does not need: on 2 ranks 10 / 8 / 6, on 4 ranks
-// 4 / 3 / 3 a peer (equal groups had the own copy done at ~65% of the senders' time on 2 x H200, and left 3 warps
-// idle on 4 ranks).
+// rank, then the own copy. Senders set the pace (a drain copies what has arrived; more sending warps, not fewer
+// round trips a row, sped them up), so they get the warps the own copy does not need: on 2 ranks 10 / 8 / 6, on
+// 4 ranks 4 / 3 / 3 a peer (equal groups had the own copy done at ~65% of the senders' time on 2 x H200, and left
+// 3 warps idle on 4 ranks).
 template <int kNumRanks, int kNumWarps>
 struct DispatchRoles {
     enum Role { kSend, kDrain, kOwn, kIdle };
@@ -458,7 +458,8 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
             for (int chunk = 0, k = 32; chunk < chunk_limit && t < end; ++t, ++k) {
                 if (k == 32) window = selected_window(is_token_in_rank, t, end, peer, kNumRanks, lane), k = 0;
                 const bool selected = window >> k & 1;
-                if (group_thread == 0) send_head[static_cast<int64_t>(t) * kNumRanks + peer] = selected ? tail : -tail - 1;
+                if (group_thread == 0)
+                    send_head[static_cast<int64_t>(t) * kNumRanks + peer] = selected ? tail : -tail - 1;
                 if (!selected) continue;
                 const int slot = tail % num_slots;
                 if (chunk % group_warps == warp_in_rank) {
@@ -671,7 +672,8 @@ intranode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y,
             if (e < 0) continue;
             if (r == me) {
                 rows[r] = y + static_cast<int64_t>(my_first + e) * row_int4;
-                if (y_topk_weights != nullptr) weights[r] = y_topk_weights + static_cast<int64_t>(my_first + e) * num_topk;
+                if (y_topk_weights != nullptr)
+                    weights[r] = y_topk_weights + static_cast<int64_t>(my_first + e) * num_topk;
             } else {
                 rows[r] = mine.x_slot(mine.queue(channel, r), e % num_slots);
                 weights[r] = mine.topk_weights_slot(mine.queue(channel, r), e % num_slots);

@@ -173,16 +173,17 @@ __device__ __forceinline__ uint16_t cvt_rn_satfinite_e4m3x2_f32(float hi, float 
     return v;
 }
 
-/// Timers
-// %globaltimer counts nanoseconds (coarse ticks, ~1 us on Hopper) and is the same clock on every SM, so a
-// timeout measured with it does not depend on the SM clock or on which SM a block landed on.
-// The SM this thread runs on (for profiles: which blocks share a TPC or GPC).
+/// Placement
+// The SM this thread runs on (channel claims: which blocks share a TPC; profiles: which share a TPC or GPC).
 __device__ __forceinline__ uint32_t smid() {
     uint32_t id;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
     return id;
 }
 
+/// Timers
+// %globaltimer counts nanoseconds (coarse ticks, ~1 us on Hopper) and is the same clock on every SM, so a
+// timeout measured with it does not depend on the SM clock or on which SM a block landed on.
 __device__ __forceinline__ uint64_t globaltimer_ns() {
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

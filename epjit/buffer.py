@@ -31,7 +31,7 @@ from .env import settings
 from .errors import ArgumentError, ArgumentTypeError, EpjitError, SetupError, with_rank
 from .group import Group
 from .kernels import IntranodeNotifySpec, IntranodeSpec, LayoutSpec
-from .kernels.foundation import TIMELINE_SLOTS
+from .kernels.foundation import TIMELINE_SLOTS, TIMELINE_SM_SLOT, TIMELINE_TAG_SLOT
 from .kernels.intranode import (
     CLAIMS_INTS,
     META_INTS,
@@ -236,8 +236,8 @@ class _Profile:
         out: dict[str, list[tuple[int, ...]]] = {}
         for name, points, timeline in self.timelines:
             stamps, t0 = self._stamps(timeline)
-            tagged = len(points) < TIMELINE_SLOTS - 1  # else the tag slot holds a point (timeline.cuh)
-            out[name] = [(int(row[TIMELINE_SLOTS - 1]) - 1, int(row[TIMELINE_SLOTS - 2]) - 1 if tagged else -1,
+            tagged = len(points) <= TIMELINE_TAG_SLOT  # else the tag slot holds a point (timeline.cuh)
+            out[name] = [(int(row[TIMELINE_SM_SLOT]) - 1, int(row[TIMELINE_TAG_SLOT]) - 1 if tagged else -1,
                           *(round((int(v) - t0) / 1e3) if v > 0 else -1 for v in row[:len(points)]))
                          for row in stamps if row[0] > 0]  # blocks that never started work (spares) left out
         return out

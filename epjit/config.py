@@ -84,7 +84,8 @@ def get_combine_config(num_ranks: int) -> Config:
     """Defaults for combine, by rank count: the same channels as dispatch (combine replays its channels), and
     chunks of 12 rows (at least one a sending warp): a combine reader waits for the chunk holding its token's row,
     so large chunks leave the readers a chunk behind the senders (2 x H200, 4096 tokens, alternating runs: 18-row
-    chunks 274-277 us, 9-row 236-237, 12-row 233-234; dispatch's drains copy rows as they come and prefer 16)."""
+    chunks 274-277 us, 9-row 236-237, 12-row 233-234; dispatch's drains copy rows as they come and take larger
+    chunks)."""
     return Config(24, max(12, combine_send_warps(num_ranks)), 256)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from epjit.jit.toolchain import CUDA_SRC
 from epjit.kernels import intranode, low_latency
-from epjit.kernels.foundation import TIMELINE_SLOTS
+from epjit.kernels.foundation import TIMELINE_SLOTS, TIMELINE_SM_SLOT, TIMELINE_TAG_SLOT
 
 
 def _enum(source: str, name: str) -> list[tuple[str, int]]:
@@ -38,3 +38,6 @@ def test_point_names_follow_the_enum(source, enum, prefix, points):
 def test_slot_count_matches_the_header():
     header = (CUDA_SRC / "timeline.cuh").read_text()
     assert f"constexpr int kTimelineSlots = {TIMELINE_SLOTS};" in header
+    # The SM and tag slots the host reads (Buffer.profile_blocks) are the ones timeline_start writes.
+    assert TIMELINE_SM_SLOT == TIMELINE_SLOTS - 1 and "kTimelineSmSlot = kTimelineSlots - 1;" in header
+    assert TIMELINE_TAG_SLOT == TIMELINE_SLOTS - 2 and "kTimelineTagSlot = kTimelineSlots - 2;" in header

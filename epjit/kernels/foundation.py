@@ -9,6 +9,8 @@ from ..jit.spec import KernelSpec
 
 PEERS = ("peers", "const PeersTable*")
 TIMELINE_SLOTS = 8  # kTimelineSlots of cuda_src/timeline.cuh: EPJIT_PROFILE stamps per block
+TIMELINE_SM_SLOT = TIMELINE_SLOTS - 1  # kTimelineSmSlot: the block's SM id + 1
+TIMELINE_TAG_SLOT = TIMELINE_SLOTS - 2  # kTimelineTagSlot: its channel + 1, for kernels with fewer points
 
 
 @dataclass(frozen=True)
