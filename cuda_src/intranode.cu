@@ -532,10 +532,12 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
                 for (int s = TokenFields::kHeldScales + lane; s < num_scales; s += 32)
                     scales[s] = ld_volatile_f32(mine.scales_slot(q, slot) + s);
             }
-            // Every warp of the group has read slots [head, tail) before the sender may reuse them.
+            // Every warp of the group has read slots [head, tail) before the sender may reuse them: their loads
+            // returned (each value was stored into recv_x before the barrier), so a relaxed store is enough, as in
+            // DeepEP; a release would stall the group on a system-scope fence a batch.
             roles.sync();
             head = tail;
-            if (group_thread == 0) ptx::st_release_sys_s32(mine.dispatch_head(q), head);
+            if (group_thread == 0) ptx::st_relaxed_sys_s32(mine.dispatch_head(q), head);
         }
         if (group_thread == 0) timeline_mark_latest(timeline, kNormalAtReceived);
     }
@@ -640,7 +642,8 @@ intranode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y,
                           }
                           if (lane < kNumRanks && !done && low > last) {
                               last = low;
-                              ptx::st_release_sys_s32(mine.combine_head(mine.queue(channel, lane)), last);
+                              // Relaxed, as in DeepEP: the readers' loads of these slots have returned.
+                              ptx::st_relaxed_sys_s32(mine.combine_head(mine.queue(channel, lane)), last);
                           }
                           seen = last;
                           return !done;
