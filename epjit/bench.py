@@ -235,7 +235,7 @@ def _bench_ceiling(group: Any, args: argparse.Namespace) -> list[Row]:
 def case_config(mode: str, num_ranks: int, sms: int, chunk_send: int, chunk_recv: int) -> Config:
     """The Config a normal-mode case runs with: the operation's own default chunk (what a call without config
     gets: combine's differs from dispatch's), or chunk_send when given. Until 2026-11-23 combine was timed with
-    dispatch's chunk (2 ranks: 16 where a plain combine call uses 12)."""
+    dispatch's chunk (2 ranks: 16 where a plain combine call then used 12)."""
     default = get_combine_config(num_ranks) if mode == "combine" else get_dispatch_config(num_ranks)
     return Config(sms, chunk_send or default.nvl_chunk_send, chunk_recv)
 

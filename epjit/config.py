@@ -65,10 +65,14 @@ def dispatch_send_warps(num_ranks: int) -> int:
 
 
 def combine_send_warps(num_ranks: int) -> int:
-    """Warps a combine block gives the rows returning to each other rank (intranode.cu: CombineRoles::kSendPerPeer)."""
+    """Warps a combine block gives the rows returning to each other rank (intranode.cu: CombineRoles::kSendPerPeer:
+    7 of 24 on 2 ranks, measured; elsewhere ~2(R-1) / (3R-1) of the block split among the peers)."""
+    warps = NUM_THREADS // 32
     if num_ranks == 1:
         return 0
-    return NUM_THREADS // 32 * 2 * (num_ranks - 1) // (3 * num_ranks - 1) // (num_ranks - 1)
+    if num_ranks == 2:
+        return warps * 7 // 24
+    return warps * 2 * (num_ranks - 1) // (3 * num_ranks - 1) // (num_ranks - 1)
 
 
 def get_dispatch_config(num_ranks: int) -> Config:
@@ -82,11 +86,13 @@ def get_dispatch_config(num_ranks: int) -> Config:
 
 def get_combine_config(num_ranks: int) -> Config:
     """Defaults for combine, by rank count: the same channels as dispatch (combine replays its channels), and
-    chunks of 12 rows (at least one a sending warp): a combine reader waits for the chunk holding its token's row,
-    so large chunks leave the readers a chunk behind the senders (2 x H200, 4096 tokens, alternating runs: 18-row
-    chunks 274-277 us, 9-row 236-237, 12-row 233-234; dispatch's drains copy rows as they come and take larger
-    chunks)."""
-    return Config(24, max(12, combine_send_warps(num_ranks)), 256)
+    chunks of about 12 rows, rounded up to a whole number of rows a sending warp: a combine reader waits for the
+    chunk holding its token's row, so large chunks leave the readers a chunk behind the senders (2 x H200, 4096
+    tokens, alternating runs, 9 senders: 18-row chunks 274-277 us, 9-row 236-237, 12-row 233-234; 7 senders: 12
+    rows 219.3 / 219.7, 14 rows 216.8 / 216.9; dispatch's drains copy rows as they come and take larger chunks).
+    2 ranks: 14 rows; 4 and 8 ranks: 12."""
+    senders = max(1, combine_send_warps(num_ranks))
+    return Config(24, -(-12 // senders) * senders, 256)
 
 
 def normal_size_hint(num_ranks: int, hidden: int, num_topk: int = 8, num_experts: int = 256,

@@ -44,7 +44,9 @@ def test_config_rejects_what_would_deadlock_or_not_launch():
 def test_defaults_are_valid_and_share_channels(ranks):
     d, c = get_dispatch_config(ranks), get_combine_config(ranks)
     assert d.num_sms <= 24 and d.num_channels == c.num_channels
-    assert c.nvl_chunk_send == 12  # combine readers wait for whole chunks: 18 cost 2 x H200 ~40 us (config.py)
+    # Combine readers wait for whole chunks (18 rows cost 2 x H200 ~40 us): ~12 rows, whole rows a sending warp.
+    assert c.nvl_chunk_send == {2: 14, 4: 12, 8: 12}[ranks]
+    assert c.nvl_chunk_send % max(1, combine_send_warps(ranks)) == 0
     # Dispatch: four tokens a sending warp between tail updates (2 x H200: FP8 158.6 -> 149.0 us with 32, not 16).
     assert d.nvl_chunk_send == max(12, 4 * dispatch_send_warps(ranks))
     assert d.nvl_chunk_recv >= d.nvl_chunk_send + COMBINE_READERS
@@ -55,7 +57,7 @@ def test_warp_roles_mirror_the_kernel():
     dispatch group gets the same warps, and combine's senders and readers together fill the block."""
     warps = NUM_THREADS // 32
     assert [dispatch_send_warps(r) for r in (1, 2, 4, 8)] == [0, 10, 4, 2]
-    assert [combine_send_warps(r) for r in (1, 2, 4, 8)] == [0, 9, 4, 2]
+    assert [combine_send_warps(r) for r in (1, 2, 4, 8)] == [0, 7, 4, 2]
     for r in (2, 4, 8):
         own, drain = warps // (2 * r), warps // (2 * r - 1)  # DispatchRoles::kOwnWarps, kDrainWarps
         assert own >= 1 and dispatch_send_warps(r) >= drain >= 1
@@ -66,6 +68,7 @@ def test_warp_roles_mirror_the_kernel():
     assert "(kNumWarps < 4 * kNumRanks ? 1 : kNumWarps / (2 * kNumRanks))" in source  # kOwnWarps
     assert "kDrainWarps = kPeers == 0 ? 0 : kNumWarps / kGroups" in source
     assert "kSendWarps = kPeers == 0 ? 0 : (kNumWarps - kOwnWarps - kPeers * kDrainWarps) / kPeers" in source
+    assert "kNumRanks == 2 ? kNumWarps * 7 / 24" in source
     assert "kNumWarps * 2 * (kNumRanks - 1) / (3 * kNumRanks - 1) / (kNumRanks - 1)" in source
 
 
