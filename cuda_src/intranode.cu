@@ -141,8 +141,8 @@ struct DispatchRoles {
 // coordinator, then the readers. A reader reads R rows and writes one for every row a sender copies, so readers
 // get the larger share: send warps ~ 2(R-1) / (2(R-1) + R + 1) of the block (copies count a read and a write).
 // On 2 ranks that gives 9 of 24 warps, but 7 are faster (2 x H200, 4096 tokens, chunk 12: 6 / 7 / 8 / 9 / 11
-// senders 221.6 / 219.5 / 221.4 / 225.4 / 247.3 us): NVLink, not the warps, limits the senders there, and the
-// readers use the two. 4 and 8 ranks keep the formula until measured.
+// senders 221.6 / 219.5 / 221.4 / 225.4 / 247.3 us): NVLink, not their warps, limits the senders there, and the
+// two warps they give up serve the readers. 4 and 8 ranks keep the formula until measured.
 template <int kNumRanks, int kNumWarps>
 struct CombineRoles {
     enum Role { kSend, kCoordinator, kRead };
