@@ -148,7 +148,7 @@ struct CombineRoles {
     enum Role { kSend, kCoordinator, kRead };
     static constexpr int kSendPerPeer =
         kNumRanks == 1   ? 0
-        : kNumRanks == 2 ? kNumWarps * 7 / 24
+        : kNumRanks == 2 ? (kNumWarps * 7 / 24 > 0 ? kNumWarps * 7 / 24 : 1)  // at least one
                          : kNumWarps * 2 * (kNumRanks - 1) / (3 * kNumRanks - 1) / (kNumRanks - 1);
     static constexpr int kSendWarps = kSendPerPeer * (kNumRanks - 1);
     static constexpr int kNumReaders = kNumWarps - kSendWarps - 1;

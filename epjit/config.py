@@ -71,7 +71,7 @@ def combine_send_warps(num_ranks: int) -> int:
     if num_ranks == 1:
         return 0
     if num_ranks == 2:
-        return warps * 7 // 24
+        return max(1, warps * 7 // 24)
     return warps * 2 * (num_ranks - 1) // (3 * num_ranks - 1) // (num_ranks - 1)
 
 
