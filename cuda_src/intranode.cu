@@ -672,20 +672,12 @@ intranode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y,
         if (lane == 0 && t + kNumReaders >= end) timeline_mark_latest(timeline, kNormalAtLastTail);
         // Where each rank's row for token t is: a ring slot for the others, y itself for my own.
         const int4* rows[kNumRanks];
-        const float* weights[kNumRanks];
 #pragma unroll
         for (int r = 0; r < kNumRanks; ++r) {
             const int e = __shfl_sync(0xffffffffu, expected, r);
-            rows[r] = nullptr, weights[r] = nullptr;
-            if (e < 0) continue;
-            if (r == me) {
-                rows[r] = y + static_cast<int64_t>(my_first + e) * row_int4;
-                if (y_topk_weights != nullptr)
-                    weights[r] = y_topk_weights + static_cast<int64_t>(my_first + e) * num_topk;
-            } else {
-                rows[r] = mine.x_slot(mine.queue(channel, r), e % num_slots);
-                weights[r] = mine.topk_weights_slot(mine.queue(channel, r), e % num_slots);
-            }
+            rows[r] = e < 0 ? nullptr
+                            : r == me ? y + static_cast<int64_t>(my_first + e) * row_int4
+                                      : mine.x_slot(mine.queue(channel, r), e % num_slots);
         }
         // kUnroll int4 columns per lane at once, every rank's row loaded before any add: kUnroll x R loads in
         // flight per lane (one column at a time left each lane waiting a full memory latency per load pair).
@@ -712,12 +704,18 @@ intranode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y,
                 ptx::st_global_L1_no_allocate_v4(out_x + static_cast<int64_t>(t) * row_int4 + i, pack_bf16x8(acc));
             }
         }
-        if (out_topk_weights != nullptr && lane < num_topk) {
+        if (out_topk_weights != nullptr) {  // the weights' places found again: held through the rows, they spilled
             float w = 0.0f;
 #pragma unroll
-            for (int r = 0; r < kNumRanks; ++r)
-                if (weights[r] != nullptr) w += ld_volatile_f32(weights[r] + lane);
-            out_topk_weights[static_cast<int64_t>(t) * num_topk + lane] = w;
+            for (int r = 0; r < kNumRanks; ++r) {
+                const int e = __shfl_sync(0xffffffffu, expected, r);
+                if (e < 0 || lane >= num_topk) continue;
+                if (r != me)
+                    w += ld_volatile_f32(mine.topk_weights_slot(mine.queue(channel, r), e % num_slots) + lane);
+                else if (y_topk_weights != nullptr)
+                    w += ld_volatile_f32(y_topk_weights + static_cast<int64_t>(my_first + e) * num_topk + lane);
+            }
+            if (lane < num_topk) out_topk_weights[static_cast<int64_t>(t) * num_topk + lane] = w;
         }
         __syncwarp();
         if (lane < kNumRanks) progress[reader][lane] = expected >= 0 ? expected + 1 : -expected - 1;
