@@ -473,7 +473,8 @@ class Buffer:
                 # cuda_src/placement.cuh's ChannelClaims for dispatch, then for combine: zero before the first
                 # launch; each launch's last block zeroes them for the next.
                 self._claims = cupy.zeros(2 * CLAIMS_INTS, dtype=cupy.int32)
-                self._claims_ptrs = (self._claims.data.ptr, self._claims.data.ptr + self._claims.itemsize * CLAIMS_INTS)
+                base = self._claims.data.ptr
+                self._claims_ptrs = (base, base + self._claims.itemsize * CLAIMS_INTS)
             self._num_device_sms = int(self._device.attributes["MultiProcessorCount"])
             self._pending_status: tuple[Event, int] | None = None  # worst-token notify not yet checked
             self._recv_rates: collections.deque[float] = collections.deque(maxlen=_RATE_HISTORY)  # rows a token

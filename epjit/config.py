@@ -80,7 +80,8 @@ def get_dispatch_config(num_ranks: int) -> Config:
     between tail updates, at least 12. Each tail update is a system-scope release (~2.5 us with nothing
     outstanding) that stalls the group, so a chunk must outweigh it: 2 x H200, 4096 tokens, two alternating rounds,
     8 warps a peer: 16-token chunks 158.8 / 158.4 us FP8 and 229.3 / 228.2 bf16; 24: 152.1 / 152.7 and 224.4 /
-    223.6; 32: 149.0 / 148.9 and 225.1 / 224.3; 48: 148.9 / 149.6 and 226.3 / 226.8 (4 ranks: 3 warps a peer, 12)."""
+    223.6; 32: 149.0 / 148.9 and 225.1 / 224.3; 48: 148.9 / 149.6 and 226.3 / 226.8. Now 2 ranks: 10 warps a peer,
+    chunks of 40; 4 ranks: 4 warps a peer, 16 (not measured on 4 ranks)."""
     return Config(24, max(12, 4 * dispatch_send_warps(num_ranks)), 256)
 
 

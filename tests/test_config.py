@@ -53,8 +53,9 @@ def test_defaults_are_valid_and_share_channels(ranks):
 
 
 def test_warp_roles_mirror_the_kernel():
-    """The host's sending-warp counts (which size the default chunks) follow DispatchRoles / CombineRoles: every
-    dispatch group gets the same warps, and combine's senders and readers together fill the block."""
+    """The host's sending-warp counts (which size the default chunks) follow DispatchRoles / CombineRoles: dispatch
+    senders get what the own copy and the drain groups leave, and combine's senders and readers together fill the
+    block."""
     warps = NUM_THREADS // 32
     assert [dispatch_send_warps(r) for r in (1, 2, 4, 8)] == [0, 10, 4, 2]
     assert [combine_send_warps(r) for r in (1, 2, 4, 8)] == [0, 7, 4, 2]
