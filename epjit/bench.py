@@ -2,7 +2,7 @@
 
 Same run, same inputs, same bytes: for each case the routing's split sizes feed NCCL's ``all_to_all_single`` (what a
 user would write instead of epjit). Timing follows DESIGN.md's protocol: CUDA events around the operation,
-warm-up first, median of ``--repeat`` runs (>= 20), a barrier between runs: a host barrier, a 200 us wall-clock
+warm-up first, median of ``--repeat`` runs (>= 20), a barrier between runs: a host barrier, a 500 us wall-clock
 spin on the GPU that hides the host's launches of what follows, then a one-element NCCL all_reduce so every GPU
 starts the timed operation at about the same moment (see _start_together).
 
