@@ -1,6 +1,7 @@
 // Cross-GPU barrier of one block per GPU over the NVLink buffers (DeepEP's barrier_block).
 //
-// Every rank owns a row of kNumNvlRanks signal words at the start of its NVLink buffer. Entering, rank r adds
+// Every rank owns a row of kNumNvlRanks signal words in its NVLink buffer's header, at `row_offset`: the start
+// for the whole GPU's barrier, a channel's row (kNvlChannelBarrierOffset) for the blocks of one channel. Entering, rank r adds
 // kTag to its own row's slot t and subtracts kTag from slot r of rank t's row, for every t. Slot t of r's row
 // then returns to <= 0 exactly when t has entered too (its -kTag cancels r's +kTag), so r waits until every slot
 // of its own row is <= 0. All rows are back to 0 once everyone is through, so the barrier needs no reset and a
@@ -15,8 +16,10 @@ namespace epjit {
 
 constexpr int kBarrierTag = 1 << 20;
 
+// `channel` names the wait in a timeout report (-1: the block's index).
 template <int kNumNvlRanks>
-__device__ __forceinline__ void nvl_barrier_block(const PeersTable* peers, const char* site) {
+__device__ __forceinline__ void nvl_barrier_block(const PeersTable* peers, const char* site,
+                                                  int64_t row_offset = kNvlBarrierOffset, int channel = -1) {
     static_assert(kNumNvlRanks <= kMaxNvlRanks, "too many NVLink ranks");
     const int t = static_cast<int>(threadIdx.x);
     const int me = peers->nvl_rank;
@@ -25,14 +28,15 @@ __device__ __forceinline__ void nvl_barrier_block(const PeersTable* peers, const
     ptx::fence_acq_rel_sys();
     __syncthreads();
     if (t < kNumNvlRanks) {
-        int* my_row = nvl_ptr<int>(peers, me, kNvlBarrierOffset);
-        int* peer_row = nvl_ptr<int>(peers, t, kNvlBarrierOffset);
+        int* my_row = nvl_ptr<int>(peers, me, row_offset);
+        int* peer_row = nvl_ptr<int>(peers, t, row_offset);
         ptx::red_add_release_sys_s32(my_row + t, kBarrierTag);
         ptx::red_add_release_sys_s32(peer_row + me, -kBarrierTag);
         // The acquire load pairs with the peer's release subtraction: once we see it, the peer's earlier
         // writes (into our buffer, say) are visible to this thread, and bar.sync below extends that to the block.
         const int peer_rank = peers->rank - me + t;
-        timeout_while(peers, WaitSite{site, peer_rank, static_cast<int>(blockIdx.x), 0}, [&](int64_t& seen) {
+        const int where = channel >= 0 ? channel : static_cast<int>(blockIdx.x);
+        timeout_while(peers, WaitSite{site, peer_rank, where, 0}, [&](int64_t& seen) {
             seen = ptx::ld_acquire_sys_s32(my_row + t);
             return seen > 0;
         });

@@ -11,10 +11,11 @@
 //              at the rows rank_prefix_matrix and the channel's start offset give, publishing the head; one more
 //              group copies my own tokens from x. send_head[t][r] records the ring index token t took towards r
 //              (or, as -(i)-1, the index the next token towards r will take): combine's receipts.
-//   combine    the same rings in the other direction (CombineRoles): sending groups return each received row to
-//              its source in received order, so it lands at the index send_head recorded; reader warps sum, for
-//              each token of the channel, the rows its receipts point at; a coordinator warp moves each ring's
-//              head to the slowest reader.
+//   combine    after a barrier of the channel's blocks on every rank (each zeroes the channel's combine words in
+//              its buffer first), the same rings in the other direction (CombineRoles): sending groups return
+//              each received row to its source in received order, so it lands at the index send_head recorded;
+//              reader warps sum, for each token of the channel, the rows its receipts point at; a coordinator
+//              warp moves each ring's head to the slowest reader.
 //
 // Why every block does every job: an SM copies at most ~47 GB/s whether the bytes go to a peer over NVLink or
 // stay in this GPU (`python -m epjit.bench --modes ceiling`, 2 x H200), so the SMs are the budget, and dispatch
@@ -561,14 +562,12 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
     }
 }
 
-// One barrier before combine: every rank has finished dispatch (no one still reads a ring a combine sender is
-// about to overwrite) and has zeroed its combine control words before any sender uses them.
+// Not inlined: the barrier's registers would otherwise stay reserved through the kernel (2 ranks: spills 44 ->
+// 84 B).
 template <int kNumRanks>
-__global__ void intranode_combine_prepare(const PeersTable* peers, int num_channels) {
-    const IntranodeLayout mine(nvl_ptr(peers, peers->nvl_rank, kNvlHeaderBytes), kNumRanks, num_channels, 0, 0, 0, 0,
-                               0);
-    for (int i = threadIdx.x; i < 2 * num_channels * kNumRanks; i += blockDim.x) mine.combine_ctrl[i] = 0;
-    nvl_barrier_block<kNumRanks>(peers, "intranode_combine_prepare: peer's arrival");
+__device__ __noinline__ void combine_channel_barrier(const PeersTable* peers, int channel) {
+    nvl_barrier_block<kNumRanks>(peers, "intranode_combine: the channel's block on peer to start (barrier)",
+                                 channel_barrier_offset(channel), channel);
 }
 
 template <int kNumRanks, int kNumThreads>
@@ -592,7 +591,17 @@ intranode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y,
     for (int i = threadIdx.x; i < kNumReaders * kNumRanks; i += kNumThreads)
         progress[i / kNumRanks][i % kNumRanks] = 0;
     if (threadIdx.x < kNumReaders) retired[threadIdx.x] = 0;
-    __syncthreads();
+    // Before any sender writes a peer's ring: the channel's block on every rank has zeroed the channel's combine
+    // words in its buffer and has started, so it finished dispatch (kernels of one stream run in order) and reads
+    // no ring of the channel any more. A barrier per channel, in this kernel, instead of a whole-GPU barrier in a
+    // kernel of its own before it: no launch between them, and a channel waits only for its own blocks.
+    if (static_cast<int>(threadIdx.x) < kNumRanks) {  // (the control words sit before the rings: no sizes needed)
+        const IntranodeLayout words(nvl_ptr(peers, me, kNvlHeaderBytes), kNumRanks, num_channels, 0, 0, 0, 0, 0);
+        const int q = words.queue(channel, static_cast<int>(threadIdx.x));
+        *words.combine_head(q) = 0;
+        *words.combine_tail(q) = 0;
+    }
+    combine_channel_barrier<kNumRanks>(peers, channel);
 
     if (roles.role == Roles::kSend) {
         // Rows rank `peer` sent me on this channel, in the order they arrived: they go back in that order, so

@@ -27,8 +27,15 @@ namespace epjit {
 
 __host__ __device__ constexpr int64_t align128(int64_t n) { return (n + 127) / 128 * 128; }
 
-// Channels a call may use (epjit/config.py: MAX_CHANNELS): every Buffer reserves control words for this many.
+// Channels a call may use (epjit/config.py: MAX_CHANNELS): every Buffer's header holds a barrier row for each.
 constexpr int kMaxChannels = 128;
+static_assert(kNvlChannelBarrierOffset + kMaxChannels * kMaxNvlRanks * 4 <= kNvlHeaderBytes,
+              "the channel barrier rows must fit the NVLink buffer's header");
+
+// Where channel c's barrier row starts in an NVLink buffer (peers.cuh: the header).
+__host__ __device__ constexpr int64_t channel_barrier_offset(int channel) {
+    return kNvlChannelBarrierOffset + static_cast<int64_t>(channel) * kMaxNvlRanks * 4;
+}
 // Ints of meta per rank, and how many of them must agree across ranks (epjit/buffer.py mirrors both).
 constexpr int kMetaInts = 8;
 constexpr int kMetaCompared = 4;

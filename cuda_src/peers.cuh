@@ -14,10 +14,13 @@
 //   64  void*  nvl[kMaxNvlRanks]        IPC pointer to NVLink buffer of nvl rank i (mine included)
 //   128 void*  sym_peer[kMaxRanks]      nvshmem_ptr(sym_base, pe), or nullptr where only RDMA reaches it
 //
-// Every NVLink buffer begins with kNvlHeaderBytes of control words (below); payload starts after them.
+// Every NVLink buffer begins with kNvlHeaderBytes of control words (below); payload starts after them. They are
+// zeroed once, when the buffer is made, and every barrier leaves its words at zero again.
 //
-//   nvl buffer:  [ barrier signals: int32[kMaxNvlRanks] | ... reserved ... ][ payload ... ]
-//                0                                      kNvlHeaderBytes
+//   nvl buffer:  [ barrier signals: int32[kMaxNvlRanks] | reserved | channel barriers | ][ payload ... ]
+//                0                                     kNvlChannelBarrierOffset: one row of kMaxNvlRanks
+//                                                      signals a channel (intranode.cuh: kMaxChannels)
+//                                                                                     kNvlHeaderBytes
 #pragma once
 
 #include "types.cuh"
@@ -26,8 +29,9 @@ namespace epjit {
 
 constexpr int kMaxNvlRanks = 8;
 constexpr int kMaxRanks = 1024;
-constexpr int64_t kNvlHeaderBytes = 4096;
+constexpr int64_t kNvlHeaderBytes = 8192;
 constexpr int64_t kNvlBarrierOffset = 0;
+constexpr int64_t kNvlChannelBarrierOffset = 4096;
 
 // What a timed-out spin-wait leaves for the host (epjit/memory.py: WAIT_RECORD_DTYPE).
 struct WaitRecord {

@@ -1114,8 +1114,6 @@ class Buffer:
                 out = self._empty((handle.num_tokens, handle.hidden), _bf16())
                 out_w = self._empty((handle.num_tokens, handle.num_topk), cupy.float32) if w_arg is not None \
                     else None
-        self._notify_module.launch("intranode_combine_prepare", 1, 128, table, handle.num_channels, stream=comm)
-        profile.mark("prepare", comm)
         grid = normal_grid(handle.num_channels, self._num_device_sms)
         self._main_module.launch(
             "intranode_combine", grid, NUM_THREADS, table, self._claims_ptrs[1], y_arg,

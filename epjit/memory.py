@@ -26,7 +26,7 @@ log = logging.getLogger("epjit.memory")
 # Mirrors of cuda_src/peers.cuh (tests/test_layouts.py checks every number against the header).
 MAX_NVL_RANKS = 8
 MAX_RANKS = 1024
-NVL_HEADER_BYTES = 4096
+NVL_HEADER_BYTES = 8192
 WAIT_RECORD_BYTES = 128
 PEERS_TABLE_BYTES = 8320
 PEERS_TABLE_OFFSETS = {

@@ -46,7 +46,6 @@ class IntranodeNotifySpec(KernelSpec):
                              ("rank_prefix_matrix", "int*"),
                              ("channel_prefix_matrix", "int*"), ("host_out", "int*"), ("device_status", "int*"),
                              ("timeline", "uint64_t*")),
-        "intranode_combine_prepare": (PEERS, ("num_channels", "int")),
     }
 
 
