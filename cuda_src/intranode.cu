@@ -190,6 +190,9 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
     const int me = peers->nvl_rank;
     const int t = static_cast<int>(threadIdx.x);
     const int num_local_experts = num_experts / kNumRanks;
+    // Dispatch, launched programmatically behind this kernel, may take its SMs and claim its channels meanwhile;
+    // it reads nothing of ours before griddepcontrol_wait, which waits for this grid to end.
+    ptx::griddepcontrol_launch_dependents();
     timeline_start(timeline, kNotifyAtStart);
     if (blockIdx.x > 0) {
         if (cached) return;  // a cached handle brings its channel_prefix_matrix
@@ -393,8 +396,11 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
                    uint64_t* timeline) {
     constexpr int kNumWarps = kNumThreads / 32;
     const int channel = claim_channel(claims, peers, num_channels);  // every block claims, even to stop
-    // No channel for this block; or notify found a problem: every rank stops here, before any send.
-    if (channel < 0 || *device_status != 0) return;
+    if (channel < 0) return;  // no channel for this block
+    // Launched programmatically (buffer.py): the block may have started while notify still ran; from here on it
+    // reads what notify wrote (the status, the prefix matrices, zeroed control words, the peers' barrier).
+    ptx::griddepcontrol_wait();
+    if (*device_status != 0) return;  // notify found a problem: every rank stops here, before any send
     timeline_start(timeline, kNormalAtStart, channel);
 
     using Roles = DispatchRoles<kNumRanks, kNumWarps>;

@@ -173,6 +173,16 @@ __device__ __forceinline__ uint16_t cvt_rn_satfinite_e4m3x2_f32(float hi, float 
     return v;
 }
 
+/// Programmatic dependent launch (sm_90)
+// A kernel launched with programmatic stream serialization (epjit/jit/module.py: launch(programmatic=True)) may
+// start while the kernel before it on the stream still runs, once that one's blocks have all triggered or ended;
+// griddepcontrol.wait returns when that kernel has finished and its writes are visible. In a kernel launched the
+// plain way both are no-ops (the stream already ordered it after its predecessor).
+__device__ __forceinline__ void griddepcontrol_launch_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;" : : : "memory");
+}
+__device__ __forceinline__ void griddepcontrol_wait() { asm volatile("griddepcontrol.wait;" : : : "memory"); }
+
 /// Placement
 // The SM this thread runs on (channel claims: which blocks share a TPC; profiles: which share a TPC or GPC).
 __device__ __forceinline__ uint32_t smid() {

@@ -1001,7 +1001,7 @@ class Buffer:
                     recv_src.ptr, _address(outs[2]), _address(outs[3]), recv_channel_offset.ptr,
                     send_head.ptr, num_tokens, hidden, hidden * (1 if fp8 else 2) // 16, num_scales, num_topk,
                     num_experts_, num_channels, config.nvl_chunk_recv, config.nvl_chunk_send, num_worst_tokens,
-                    profile.timeline("dispatch", grid, NORMAL_TIMELINE_POINTS), stream=comm)
+                    profile.timeline("dispatch", grid, NORMAL_TIMELINE_POINTS), stream=comm, programmatic=True)
                 profile.mark("dispatch", comm)
                 # The caller's stream waits for the kernels now, before the host waits for the counts: else a host
                 # slower than dispatch would put its own time on the caller's stream.

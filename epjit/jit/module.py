@@ -33,7 +33,7 @@ _FAST_PACK_ERRORS = (struct.error, TypeError, ValueError, OverflowError)
 class _Kernel:
     """One kernel's launch state: the CuPy kernel, and the parameter block the fast path packs into."""
 
-    __slots__ = ("fn", "ptr", "packer", "block", "params", "params_ptr", "lock", "max_shared")
+    __slots__ = ("fn", "ptr", "packer", "block", "params", "params_ptr", "lock", "max_shared", "ex")
 
     def __init__(self, fn: Any, packer: struct.Struct | None, num_args: int) -> None:
         self.fn = fn  # a cupy.RawKernel
@@ -47,6 +47,21 @@ class _Kernel:
         # while the driver (which may run without the GIL) reads it. cuLaunchKernel copies the values.
         self.lock = threading.Lock()
         self.max_shared = 48 * 1024  # dynamic shared memory allowed without raising the function's limit
+        self.ex: tuple[Any, Any] | None = None  # (CUfunction, CUlaunchConfig) of programmatic launches, made once
+
+
+def _programmatic_config() -> Any:
+    """A CUlaunchConfig carrying the programmatic-stream-serialization attribute (PDL): the kernel may begin while
+    its predecessor on the stream runs, and waits for it with griddepcontrol.wait (cuda_src/ptx.cuh)."""
+    from cuda.bindings import driver
+
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    config.attrs = [attr]
+    config.numAttrs = 1
+    return config
 
 
 _loaded: dict[tuple[Path, int], Module] = {}
@@ -106,11 +121,16 @@ class Module:
         self._nvshmem_initialised = True
 
     def launch(self, kernel: str, grid: int | tuple[int, ...], block: int | tuple[int, ...], *args: Any,
-               shared_mem: int = 0, stream: Any = None) -> None:
+               shared_mem: int = 0, stream: Any = None, programmatic: bool = False) -> None:
         """Launch `kernel` on `stream` (default: CuPy's current stream). Arguments in signature order: ints
         (addresses for pointer parameters), floats, bools, None (a null pointer) or CuPy arrays (their address).
         Only integers and CuPy arrays are taken as addresses: a torch tensor is not an argument (pass
-        ``data_ptr()``). A grid or block size below 1 is launched as 1, as CuPy does."""
+        ``data_ptr()``). A grid or block size below 1 is launched as 1, as CuPy does.
+
+        ``programmatic=True`` launches with programmatic stream serialization (cuLaunchKernelEx): the kernel may
+        start before the previous kernel on the stream has ended, and must call griddepcontrol_wait() before it
+        touches anything that kernel writes. Arguments only CuPy's path packs launch the plain way (still
+        correct: the wait is then a no-op)."""
         k = self._kernels.get(kernel)
         if k is None:
             raise KeyError(f"{self.spec.family} has no kernel {kernel!r}; it has {sorted(self._functions)}")
@@ -134,12 +154,32 @@ class Module:
                     pass  # something only pack() converts (or reports): CuPy's path below
                 else:
                     try:
-                        self._launch_kernel(k.ptr, gx, gy, gz, bx, by, bz, shared_mem, stream_ptr, k.params_ptr, 0)
+                        if programmatic:
+                            self._launch_programmatic(k, gx, gy, gz, bx, by, bz, shared_mem, stream_ptr)
+                        else:
+                            self._launch_kernel(k.ptr, gx, gy, gz, bx, by, bz, shared_mem, stream_ptr,
+                                                k.params_ptr, 0)
                         return
                     except Exception:  # noqa: BLE001 - e.g. no current context on this thread: CuPy's path sets
                         pass  # one up, and raises the error again if it is real (a failed launch queued nothing)
         packed = self.spec.pack(kernel, args)
         k.fn((gx, gy, gz), (bx, by, bz), packed, shared_mem=shared_mem, stream=stream)
+
+    @staticmethod
+    def _launch_programmatic(k: _Kernel, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shared_mem: int,
+                             stream_ptr: int) -> None:
+        from cuda.bindings import driver
+
+        if k.ex is None:
+            k.ex = (driver.CUfunction(k.ptr), _programmatic_config())
+        fn, config = k.ex
+        config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
+        config.blockDimX, config.blockDimY, config.blockDimZ = bx, by, bz
+        config.sharedMemBytes = shared_mem
+        config.hStream = driver.CUstream(stream_ptr)
+        (err,) = driver.cuLaunchKernelEx(config, fn, k.params_ptr, 0)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuLaunchKernelEx: {err.name}")
 
     def close(self) -> None:
         if self._nvshmem_initialised:
