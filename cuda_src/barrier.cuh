@@ -16,8 +16,10 @@ namespace epjit {
 
 constexpr int kBarrierTag = 1 << 20;
 
-// `channel` names the wait in a timeout report (-1: the block's index).
-template <int kNumNvlRanks>
+// `channel` names the wait in a timeout report (-1: the block's index). kFenceFirst = false is for a caller whose
+// only writes a peer must see are thread t's, for peer t: thread t's own releases below carry them, and the
+// block-wide system fence (~1-2 us) is skipped.
+template <int kNumNvlRanks, bool kFenceFirst = true>
 __device__ __forceinline__ void nvl_barrier_block(const PeersTable* peers, const char* site,
                                                   int64_t row_offset = kNvlBarrierOffset, int channel = -1) {
     static_assert(kNumNvlRanks <= kMaxNvlRanks, "too many NVLink ranks");
@@ -25,8 +27,10 @@ __device__ __forceinline__ void nvl_barrier_block(const PeersTable* peers, const
     const int me = peers->nvl_rank;
     // Everything this block wrote before the barrier (to any GPU) must be visible system-wide before a peer
     // can see our arrival: each thread fences its own writes, bar.sync orders them before the releases below.
-    ptx::fence_acq_rel_sys();
-    __syncthreads();
+    if (kFenceFirst) {
+        ptx::fence_acq_rel_sys();
+        __syncthreads();
+    }
     if (t < kNumNvlRanks) {
         int* my_row = nvl_ptr<int>(peers, me, row_offset);
         int* peer_row = nvl_ptr<int>(peers, t, row_offset);

@@ -572,8 +572,8 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
 // 84 B).
 template <int kNumRanks>
 __device__ __noinline__ void combine_channel_barrier(const PeersTable* peers, int channel) {
-    nvl_barrier_block<kNumRanks>(peers, "intranode_combine: the channel's block on peer to start (barrier)",
-                                 channel_barrier_offset(channel), channel);
+    nvl_barrier_block<kNumRanks, false>(peers, "intranode_combine: the channel's block on peer to start (barrier)",
+                                        channel_barrier_offset(channel), channel);
 }
 
 template <int kNumRanks, int kNumThreads>
@@ -601,6 +601,8 @@ intranode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y,
     // words in its buffer and has started, so it finished dispatch (kernels of one stream run in order) and reads
     // no ring of the channel any more. A barrier per channel, in this kernel, instead of a whole-GPU barrier in a
     // kernel of its own before it: no launch between them, and a channel waits only for its own blocks.
+    // Thread r zeroes the words of queue (channel, r): rank r's sender and my coordinator use them; thread r's
+    // release in the barrier is what rank r acquires, so it carries the zeros (no block-wide fence needed).
     if (static_cast<int>(threadIdx.x) < kNumRanks) {  // (the control words sit before the rings: no sizes needed)
         const IntranodeLayout words(nvl_ptr(peers, me, kNvlHeaderBytes), kNumRanks, num_channels, 0, 0, 0, 0, 0);
         const int q = words.queue(channel, static_cast<int>(threadIdx.x));
