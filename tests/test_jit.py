@@ -256,3 +256,38 @@ def test_intranode_compiles_with_the_fewest_warps_its_spec_accepts(ranks, tmp_pa
     assert compile_spec(IntranodeSpec(ranks, 32 * warps), "sm_90").lowered_names["intranode_dispatch"]
     with pytest.raises(ValueError, match="cannot form"):
         IntranodeSpec(ranks, 32 * (warps - 1))
+
+
+def test_programmatic_launch_config():
+    """launch(programmatic=True) hands the driver the programmatic-stream-serialization attribute (PDL)."""
+    from cuda.bindings import driver
+
+    from epjit.jit.module import _programmatic_config
+
+    config = _programmatic_config()
+    assert config.numAttrs == 1
+    attr = config.attrs[0]
+    assert attr.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert attr.value.programmaticStreamSerializationAllowed == 1
+
+
+def test_programmatic_launches_wait_for_their_predecessor():
+    """A kernel launched programmatically may start before the kernel ahead of it ends: its source must call
+    griddepcontrol_wait() before it reads what that kernel wrote (a kernel without one would race)."""
+    package = ROOT / "epjit"
+    launched = set()
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        for m in re.finditer(r"programmatic=True", text):
+            call = text.rfind(".launch(", 0, m.start())
+            name = re.match(r'\.launch\(\s*"(\w+)"', text[call:])
+            if name:  # (module.py's own docstring and signature name no kernel)
+                launched.add(name.group(1))
+    assert launched, "no programmatic launch found: update this test"
+    sources = "\n".join(p.read_text() for p in CUDA_SRC.glob("*.cu"))
+    for kernel in sorted(launched):
+        start = re.search(rf"__global__[^;{{]*?\b{kernel}\s*\(", sources, re.S)
+        assert start, kernel
+        end = sources.find("__global__", start.end())
+        body = sources[start.end():end if end >= 0 else None]
+        assert "griddepcontrol_wait()" in body, f"{kernel} is launched programmatically but never waits"
