@@ -131,7 +131,10 @@ def _routing(num_tokens: int, topk: int, num_experts: int, seed: int) -> tuple[A
     return idx, w
 
 
-def run(args: argparse.Namespace) -> list[Row]:
+def init_with_nccl() -> Any:
+    """epjit's group, this rank's GPU made torch's current device, and torch.distributed's NCCL group over the same
+    ranks: the peer every case is timed beside (the tuning scripts start the same way). The caller ends it with
+    torch.distributed.destroy_process_group()."""
     import torch
     import torch.distributed as dist
 
@@ -142,6 +145,13 @@ def run(args: argparse.Namespace) -> list[Row]:
     port = int(group.bcast_bytes(str(_free_port()).encode() if group.rank == 0 else None).decode())
     dist.init_process_group("nccl", init_method=f"tcp://{group.hosts[0]}:{port}", rank=group.rank,
                             world_size=group.size, device_id=torch.device("cuda", group.device))
+    return group
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    import torch.distributed as dist
+
+    group = init_with_nccl()
     rows: list[Row] = []
     normal_modes = [m for m in args.modes if not m.startswith("ll-") and m != "ceiling"]
     ll_modes = [m for m in args.modes if m.startswith("ll-")]

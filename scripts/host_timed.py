@@ -32,11 +32,7 @@ def main() -> None:
     parser.add_argument("--parts", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=7168)
     args = parser.parse_args()
-    group = epjit.init()
-    torch.cuda.set_device(group.device)
-    port = int(group.bcast_bytes(str(bench._free_port()).encode() if group.rank == 0 else None).decode())
-    dist.init_process_group("nccl", init_method=f"tcp://{group.hosts[0]}:{port}", rank=group.rank,
-                            world_size=group.size, device_id=torch.device("cuda", group.device))
+    group = bench.init_with_nccl()
     experts, topk = 256, 8
     hint = epjit.Buffer.get_normal_size_hint(group.size, args.hidden, topk, experts)
     try:

@@ -48,11 +48,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 128])
     parser.add_argument("--repeat", type=int, default=50)
     args = parser.parse_args()
-    group = epjit.init()
-    torch.cuda.set_device(group.device)
-    port = int(group.bcast_bytes(str(bench._free_port()).encode() if group.rank == 0 else None).decode())
-    dist.init_process_group("nccl", init_method=f"tcp://{group.hosts[0]}:{port}", rank=group.rank,
-                            world_size=group.size, device_id=torch.device("cuda", group.device))
+    group = bench.init_with_nccl()
     hidden, experts, topk, m = 7168, 256, 8, max(args.tokens)
     rows: list[tuple[str, float]] = []
 
