@@ -1,11 +1,11 @@
 // Cross-GPU barrier of one block per GPU over the NVLink buffers (DeepEP's barrier_block).
 //
 // Every rank owns a row of kNumNvlRanks signal words in its NVLink buffer's header, at `row_offset`: the start
-// for the whole GPU's barrier, a channel's row (kNvlChannelBarrierOffset) for the blocks of one channel. Entering, rank r adds
-// kTag to its own row's slot t and subtracts kTag from slot r of rank t's row, for every t. Slot t of r's row
-// then returns to <= 0 exactly when t has entered too (its -kTag cancels r's +kTag), so r waits until every slot
-// of its own row is <= 0. All rows are back to 0 once everyone is through, so the barrier needs no reset and a
-// rank one barrier ahead only drives a slot negative, which still reads as "arrived".
+// for the whole GPU's barrier, a channel's row (kNvlChannelBarrierOffset) for the blocks of one channel.
+// Entering, rank r adds kTag to its own row's slot t and subtracts kTag from slot r of rank t's row, for every t.
+// Slot t of r's row then returns to <= 0 exactly when t has entered too (its -kTag cancels r's +kTag), so r waits
+// until every slot of its own row is <= 0. All rows are back to 0 once everyone is through, so the barrier needs
+// no reset and a rank one barrier ahead only drives a slot negative, which still reads as "arrived".
 #pragma once
 
 #include "peers.cuh"

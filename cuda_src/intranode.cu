@@ -230,8 +230,9 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
     IntranodeLayout mine(nvl_ptr(peers, me, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden, num_topk,
                          num_scales, num_local_experts);
     const bool fits = mine.end <= peers->nvl_bytes;
-    // Zero my queues' control words (dispatch and combine): their previous writers (the last dispatch's senders,
-    // the last combine's senders and my coordinator) finished before any rank could pass the barrier below.
+    // Zero my queues' control words (dispatch and combine; combine zeroes its own again, channel by channel, before
+    // its barrier): their previous writers (the last dispatch's senders, the last combine's senders and my
+    // coordinator) finished before any rank could pass the barrier below.
     for (int i = t; i < 6 * num_channels * kNumRanks; i += blockDim.x) mine.dispatch_ctrl[i] = 0;
     if (t < kNumRanks) {
         // Counts and meta sit before the rings, at offsets that depend only on R and C: safe to write even when
