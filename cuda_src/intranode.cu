@@ -1,6 +1,6 @@
 // Normal-mode dispatch and combine inside one NVLink node (DeepEP's intranode kernels; seed 001).
 //
-//   notify     block 0: write my counts into every peer's buffer and zero my queues' control words, barrier,
+//   notify     block 0: write my counts into every peer's buffer and zero my queues' dispatch words, barrier,
 //              then build rank_prefix_matrix and what the host needs; blocks 1..R build channel_prefix_matrix
 //              (tokens of each channel bound for each destination, prefix-summed over channels).
 //   (both)     one block a channel, claimed at the start so that no two working blocks share a TPC
@@ -230,10 +230,10 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
     IntranodeLayout mine(nvl_ptr(peers, me, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden, num_topk,
                          num_scales, num_local_experts);
     const bool fits = mine.end <= peers->nvl_bytes;
-    // Zero my queues' control words (dispatch and combine; combine zeroes its own again, channel by channel, before
-    // its barrier): their previous writers (the last dispatch's senders, the last combine's senders and my
-    // coordinator) finished before any rank could pass the barrier below.
-    for (int i = t; i < 6 * num_channels * kNumRanks; i += blockDim.x) mine.dispatch_ctrl[i] = 0;
+    // Zero my queues' dispatch control words (start, finish, head, tail): their previous writers (the last
+    // dispatch's senders and my drains) finished before any rank could pass the barrier below. Combine's words are
+    // combine's own: it zeroes them channel by channel before its channel barrier.
+    for (int i = t; i < 4 * num_channels * kNumRanks; i += blockDim.x) mine.dispatch_ctrl[i] = 0;
     if (t < kNumRanks) {
         // Counts and meta sit before the rings, at offsets that depend only on R and C: safe to write even when
         // this call's rings do not fit (every buffer holds at least that much; the Buffer checks it). The meta

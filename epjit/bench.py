@@ -48,6 +48,15 @@ class Row:
     pct_nvlink: float
 
 
+
+def current_cupy_stream() -> Any:
+    """CuPy's object for torch's current stream, for launching epjit's kernels where torch's work runs."""
+    import torch
+
+    from .arrays import cupy_stream
+
+    return cupy_stream(torch.cuda.current_stream().cuda_stream, torch.cuda.current_device())
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -62,7 +71,6 @@ def _start_together(group: Any) -> None:
     all_reduce, the last thing before the start event: it ends at about the same moment on every GPU, so no
     rank's launch delay or barrier skew (tens of microseconds on 4 processes) is timed as part of whatever waits
     for a peer first. Without the spin a one-kernel graph times 18-21 us on 4 x H200 instead of ~5."""
-    import cupy
     import torch
     import torch.distributed as dist
 
@@ -76,7 +84,7 @@ def _start_together(group: Any) -> None:
         _ALIGN = torch.zeros(1, device="cuda")
         _SPIN = jit.load(SpinSpec(), torch.cuda.current_device())
     if _SPIN_STREAM is None or _SPIN_STREAM.ptr != stream.cuda_stream:
-        _SPIN_STREAM = cupy.cuda.ExternalStream(stream.cuda_stream)
+        _SPIN_STREAM = current_cupy_stream()
     _SPIN.launch("spin_for_ns", 1, 1, _HIDE_LAUNCH_NS, stream=_SPIN_STREAM)
     dist.all_reduce(_ALIGN)
 
@@ -181,7 +189,6 @@ def _bench_ceiling(group: Any, args: argparse.Namespace) -> list[Row]:
     Each with the normal-mode kernels' warp_copy (768 threads a block; the split pushes also 1024) and, split
     pushes only, with bulk (TMA) copies driven by one thread a warp through 8 shared-memory stages of 7 KiB (4
     warps a block, or 2). The kernels are measured against these."""
-    import cupy
     import torch
 
     import epjit
@@ -194,7 +201,7 @@ def _bench_ceiling(group: Any, args: argparse.Namespace) -> list[Row]:
     buf = epjit.Buffer(group, num_nvl_bytes=r * n)
     module = jit.load(CopyCeilingSpec(), group.device)
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    stream = current_cupy_stream()
     num_sms = torch.cuda.get_device_properties(group.device).multi_processor_count
     # name: (destination mask, schedule, pull, skew); schedules as in cuda_src/ceiling.cu
     split, rotate, interleave = 0, 1, 2

@@ -100,9 +100,7 @@ def _callers_stream(obj: Any) -> Any:
     if stream is None:
         if len(_STREAMS) >= 64:  # streams come and go; the objects only wrap addresses
             _STREAMS.clear()
-        cupy = _cupy()
-        # Address 0 is torch's legacy default stream, which is CuPy's null stream.
-        stream = cupy.cuda.Stream.null if ptr == 0 else cupy.cuda.ExternalStream(ptr, device)
+        stream = arrays.cupy_stream(ptr, device)  # address 0, torch's legacy default stream, is CuPy's null
         _STREAMS[(ptr, device)] = stream
     return stream
 

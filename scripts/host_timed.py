@@ -40,7 +40,7 @@ def main() -> None:
             idx, w = bench._routing(args.tokens, topk, experts, seed=1234 + group.rank)
             x = torch.randn(args.tokens, args.hidden, device="cuda").to(torch.bfloat16)
             layout = buf.get_dispatch_layout(idx, experts)
-            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+            stream = bench.current_cupy_stream()
             for _ in range(5):
                 buf.dispatch(x, topk_idx=idx, topk_weights=w, layout=layout)
             torch.cuda.synchronize()

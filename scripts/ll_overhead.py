@@ -61,15 +61,14 @@ def main() -> None:
     z = torch.zeros(1, device="cuda")
     timed("floor: one tiny torch kernel", bench._graph(lambda: z.add_(1)))
     spin = jit.load(SpinSpec(), group.device)
-    import cupy
 
     with epjit.Buffer(group, low_latency_mode=True, num_max_dispatch_tokens_per_rank=m, hidden=hidden,
                       num_experts=experts) as buf:
         blocks = buf._low_latency().num_sms
 
         def spin_graph(grid: int, block: int) -> Any:
-            return bench._graph(lambda: spin.launch("spin_for_ns", grid, block, 0, stream=cupy.cuda.ExternalStream(
-                torch.cuda.current_stream().cuda_stream)))
+            return bench._graph(lambda: spin.launch("spin_for_ns", grid, block, 0,
+                                                    stream=bench.current_cupy_stream()))
 
         timed("spin_for_ns(0), 1 x 1", spin_graph(1, 1))
         timed(f"spin_for_ns(0), {blocks} x 1024", spin_graph(blocks, 1024))

@@ -502,3 +502,14 @@ def test_cupy_storage_dtypes():
     assert arrays.cupy_dtype("float8_e4m3fn") == np.uint8  # CuPy has no float8: FP8 travels as bytes
     assert arrays.cupy_dtype("bfloat16") == ml_dtypes.bfloat16
     assert arrays.cupy_dtype("int64") == np.int64
+
+
+def test_cupy_stream_wraps_an_address_without_deprecation_warnings():
+    cupy = pytest.importorskip("cupy")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # CuPy 14's ExternalStream warns: an error here
+        stream = arrays.cupy_stream(0x7F00_1234, 0)
+    assert stream.ptr == 0x7F00_1234
+    assert arrays.cupy_stream(0, 0) is cupy.cuda.Stream.null  # torch's legacy default stream

@@ -188,6 +188,30 @@ def test_torch_tensor_that_requires_grad():
     assert c.data.ptr == w.data_ptr()
 
 
+def test_cupy_stream_of_torch_stream_orders_work_and_leaves_the_stream_alive():
+    _cupy()
+    torch = _torch()
+    import gc
+    import warnings
+
+    side = torch.cuda.Stream()
+    a = torch.zeros(1 << 20, device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stream = arrays.cupy_stream(side.cuda_stream, torch.cuda.current_device())
+    with stream:  # CuPy's work goes onto torch's side stream
+        view = to_cupy(a, "a")
+        view += 1
+    assert stream.ptr == side.cuda_stream
+    del stream
+    gc.collect()  # CuPy must not destroy a stream it did not create
+    with torch.cuda.stream(side):
+        a += 1
+    side.synchronize()
+    assert float(a.min()) == 2.0 and float(a.max()) == 2.0
+
+
 def test_torch_wrong_gpu_message():
     torch, _ = _torch(), _cupy()
     t = torch.ones(4, device="cuda:0")
