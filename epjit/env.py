@@ -67,7 +67,7 @@ def settings() -> Settings:
         # Low-latency kernels: use NVSHMEM puts and signals even where NVLink gives a direct pointer (how the
         # put path, which a cluster without NVLink between nodes takes, is tested on one node).
         ll_force_puts=os.environ.get("EPJIT_LL_FORCE_PUTS", "0") not in ("", "0"),
-        # Blocks (one per SM) of a low-latency kernel; 0: min(SMs, 64). For tuning sweeps.
+        # Blocks (one per SM) of a low-latency kernel; 0: min(SMs, 128). For tuning sweeps.
         ll_num_sms=int(_float("EPJIT_LL_NUM_SMS", 0)),
     )
 
