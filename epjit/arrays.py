@@ -479,6 +479,7 @@ def cupy_stream(ptr: int, device: int) -> Any:
     # The stream's device is the current one (CuPy records it as unknown, -1, or reads the current device).
     return from_external(_StreamAddress(ptr))
 
+
 # FP8 and JAX. CuPy has no float8 dtype and refuses DLPack type code 10 (kDLFloat8_e4m3fn); JAX has no views, so
 # it cannot reinterpret an array as uint8 without a copy (lax.bitcast_convert_type runs an XLA kernel into a new
 # buffer). JAX does export and import code 10 (0.11 checked), so epjit retypes the DLPack capsule itself: the

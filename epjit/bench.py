@@ -48,7 +48,6 @@ class Row:
     pct_nvlink: float
 
 
-
 def current_cupy_stream() -> Any:
     """CuPy's object for torch's current stream, for launching epjit's kernels where torch's work runs."""
     import torch
@@ -56,6 +55,7 @@ def current_cupy_stream() -> Any:
     from .arrays import cupy_stream
 
     return cupy_stream(torch.cuda.current_stream().cuda_stream, torch.cuda.current_device())
+
 
 def _free_port() -> int:
     with socket.socket() as s:
