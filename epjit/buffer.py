@@ -70,6 +70,12 @@ _FLAG_FP8, _FLAG_WEIGHTS, _FLAG_TOPK, _FLAG_WORST_TOKENS = 1, 2, 4, 8
 _OWN_META_BITS = _META_INVALID_IDS | _META_LAYOUT_TOO_BIG | _FLAG_WORST_TOKENS  # kOwnMetaBits: need not agree
 _META_NAMES = ("hidden", "num_experts", "num_topk", "flags")
 _RATE_HISTORY = 32  # dispatches whose received rows per token size the next one's outputs (_recv_rows_estimate)
+# Notify's host records (received rows, status, meta, per-expert counts) a dispatch after dispatch may leave in
+# flight: each call gets its own, round robin, because a worst-token dispatch does not wait for its record (it is
+# read once the call's event is done) and the host runs ahead of the GPU. A record comes round again only after
+# the call that last wrote it has been reported, so a later call can neither overwrite an unreported refusal nor
+# take an earlier call's counts for its own; a host this many calls ahead waits for the oldest.
+_HOST_RECORDS = 64
 _POISON_BYTE = 0x7F  # NaN in bf16 pairs (0x7F7F), NaN in e4m3, a huge int: never a plausible value
 
 
@@ -466,7 +472,14 @@ class Buffer:
         cupy = _cupy()
         self._device = cupy.cuda.Device(group.device)
         self.mem = PeerMemory.create(group, self.num_nvl_bytes, self.num_rdma_bytes)
-        self._host_out: MappedHostArray | None = None
+        self._host_records: list[MappedHostArray | None] = [None] * _HOST_RECORDS  # see _HOST_RECORDS
+        self._host_record_calls = [-1] * _HOST_RECORDS  # the dispatch (numbered from 0) that last used each
+        self._host_calls = 0
+        # The record of every dispatch captured in a CUDA graph: replays write it whenever they run, the host never
+        # reads it, and no eager call shares it. Made here: pinned memory cannot be allocated during a capture.
+        self._graph_record: MappedHostArray | None = None
+        # Worst-token dispatches whose record is not read yet, oldest first: (call, event, record, num_worst_tokens).
+        self._pending: collections.deque[tuple[int, Event, MappedHostArray, int]] = collections.deque()
         self._ll: _LowLatencyState | None = None
         try:
             with self._device:
@@ -478,10 +491,10 @@ class Buffer:
                 base = self._claims.data.ptr
                 self._claims_ptrs = (base, base + self._claims.itemsize * CLAIMS_INTS)
             self._num_device_sms = int(self._device.attributes["MultiProcessorCount"])
-            self._pending_status: tuple[Event, int] | None = None  # worst-token notify not yet checked
             self._recv_rates: collections.deque[float] = collections.deque(maxlen=_RATE_HISTORY)  # rows a token
             self._dispatch_retries = 0  # dispatches run again because their outputs were too small (tests read it)
             if self.num_nvl_bytes:
+                self._graph_record = MappedHostArray(self._host_record_bytes(max(self.num_experts, 4096)))
                 self._layout_module = jit.load(LayoutSpec(), group.device)
                 self._notify_module = jit.load(IntranodeNotifySpec(self.num_ranks), group.device)
                 self._main_module = jit.load(IntranodeSpec(self.num_ranks, NUM_THREADS), group.device)
@@ -491,6 +504,8 @@ class Buffer:
         except BaseException:
             if self._ll is not None:
                 self._ll.close()
+            if self._graph_record is not None:
+                self._graph_record.close()
             self.mem.close()
             raise
         self._closed = False
@@ -523,8 +538,9 @@ class Buffer:
         try:
             self.mem.synchronize(self.comm_stream)
         finally:
-            if self._host_out is not None:
-                self._host_out.close()
+            for record in (*self._host_records, self._graph_record):
+                if record is not None:
+                    record.close()
             if self._ll is not None:
                 self._ll.close()
             self.mem.close()
@@ -554,14 +570,29 @@ class Buffer:
             raise EpjitError(with_rank("this Buffer has no NVLink buffer (num_nvl_bytes=0): normal-mode calls need "
                                        "one (Buffer.get_normal_size_hint)"))
 
-    def _host_buffer(self, num_experts: int) -> MappedHostArray:
-        need = 4 * (2 + (META_INTS + 1) * self.num_ranks + num_experts // self.num_ranks)
-        if self._host_out is None or self._host_out.num_bytes < need:
-            if self._host_out is not None:
-                self.comm_stream.synchronize()
-                self._host_out.close()
-            self._host_out = MappedHostArray(max(need, 4096))
-        return self._host_out
+    def _host_record_bytes(self, num_experts: int) -> int:
+        return max(4 * (2 + (META_INTS + 1) * self.num_ranks + num_experts // self.num_ranks), 4096)
+
+    def _host_record(self, num_experts: int) -> tuple[MappedHostArray, int]:
+        """The host record notify fills for this dispatch, and the call's number (-1 under graph capture)."""
+        need = self._host_record_bytes(num_experts)
+        if _capturing():
+            assert self._graph_record is not None  # made with the NVLink buffer, for up to 4096 experts
+            if need > self._graph_record.num_bytes:
+                raise ArgumentError(with_rank(f"a dispatch captured in a CUDA graph takes up to 4096 experts (or the "
+                                              f"Buffer's num_experts), got {num_experts}"))
+            return self._graph_record, -1
+        call, i = self._host_calls, self._host_calls % _HOST_RECORDS
+        self._host_calls += 1
+        while self._pending and self._pending[0][0] <= self._host_record_calls[i]:
+            self._report_oldest()  # the record's last writer first (waiting for it, if the host ran this far ahead)
+        self._host_record_calls[i] = call
+        record = self._host_records[i]
+        if record is None or record.num_bytes < need:
+            if record is not None:
+                record.close()  # its call is over: it waited for its counts, or was just reported
+            record = self._host_records[i] = MappedHostArray(need)
+        return record, call
 
     def _begin(self, previous_event: Event | None) -> Any:
         """Order the communication stream after the caller's work; returns the caller's stream."""
@@ -748,15 +779,20 @@ class Buffer:
         return "/".join(parts)
 
     def _check_pending(self) -> None:
-        """Raise what an earlier worst-token dispatch's notify found, once its stream got there."""
-        if self._pending_status is None or _capturing():
+        """Raise what earlier worst-token dispatches' notify found, oldest first, for those their stream got past."""
+        if _capturing():
             return
-        event, num_worst_tokens = self._pending_status
-        if not event.event.done:
-            return
-        self._pending_status = None
-        assert self._host_out is not None
-        self._check_status(self._host_out, num_worst_tokens)
+        while self._pending and self._pending[0][1].event.done:
+            self._report_oldest()
+
+    def _report_oldest(self) -> None:
+        """Wait for the oldest unreported worst-token dispatch and raise what its notify found (once)."""
+        _, event, record, num_worst_tokens = self._pending.popleft()
+        try:
+            event.event.synchronize()
+        except _cupy().cuda.runtime.CUDARuntimeError as e:
+            self.mem.raise_for(e)
+        self._check_status(record, num_worst_tokens)
 
     # ------------------------------------------------------------------------------------------------ layout
 
@@ -955,7 +991,7 @@ class Buffer:
         r = self.num_ranks
         fw = x_info.framework
         direct = fw == "torch" and previous_event is None  # see _torch_outputs
-        host = self._host_buffer(num_experts_)
+        host, call = self._host_record(num_experts_)
         comm = self.comm_stream
         table, status = self.mem.table_ptr, self._device_status.data.ptr
         caller = self._begin(previous_event)
@@ -1037,8 +1073,8 @@ class Buffer:
                     else:
                         outs = tuple(o[:num_rows] if o is not None else None for o in outs)
                 break
-        if num_worst_tokens > 0 and not _capturing():
-            self._pending_status = (event, num_worst_tokens)
+        if num_worst_tokens > 0 and call >= 0:
+            self._pending.append((call, event, host, num_worst_tokens))
         new_handle = DispatchHandle(rank_prefix, channel_prefix, recv_channel_offset, recv_src, in_rank_kept,
                                     send_head, num_tokens, num_recv, num_rows, num_channels, hidden, num_topk,
                                     num_experts_, buffer_id=id(self))

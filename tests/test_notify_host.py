@@ -82,3 +82,82 @@ def test_over_capacity_with_a_handle_says_the_routing_changed():
 def test_nothing_to_say_when_the_status_is_clear():
     host = _host_out(0, [[7168, 64, 8, 0, 10], [7168, 64, 8, 0, 10]], [5, 5])
     Buffer._check_status(SimpleNamespace(num_ranks=2, num_nvl_bytes=1), host, 0)
+
+
+class _FakeRecord:
+    """MappedHostArray without a GPU: notify's words, and whether the Buffer freed it."""
+
+    def __init__(self, num_bytes: int) -> None:
+        self.num_bytes = num_bytes
+        self.ints = np.zeros(num_bytes // 4, dtype=np.int32)
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _FakeEvent:
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+
+def _records_buffer(monkeypatch: pytest.MonkeyPatch) -> Buffer:
+    monkeypatch.setattr(b, "MappedHostArray", _FakeRecord)
+    monkeypatch.setattr(b, "_capturing", lambda: False)
+    buf = object.__new__(Buffer)  # only the host-record state: no group, no GPU
+    buf.num_ranks, buf.num_nvl_bytes = 2, 1 << 20
+    buf._host_records, buf._host_record_calls = [None] * b._HOST_RECORDS, [-1] * b._HOST_RECORDS
+    buf._host_calls, buf._pending = 0, collections.deque()
+    return buf
+
+
+def _worst_call(buf: Buffer, status: int = 0) -> tuple[_FakeRecord, _FakeEvent]:
+    """A worst-token dispatch as dispatch() books it: a record, then a pending entry; notify's status written."""
+    record, call = buf._host_record(64)
+    record.ints[:] = 0
+    record.ints[1] = status
+    if status:  # both ranks asked for 8 rows and would receive 30
+        for i in range(2):
+            record.ints[2 + i * META_INTS + 3] = b._FLAG_WORST_TOKENS
+            record.ints[2 + i * META_INTS + 4] = 8
+        record.ints[2 + META_INTS * 2:2 + META_INTS * 2 + 2] = 30
+    event = _FakeEvent()
+    buf._pending.append((call, b.Event(event), record, 8))
+    return record, event
+
+
+def test_a_refusal_the_host_ran_past_is_raised_later_not_overwritten(monkeypatch):
+    buf = _records_buffer(monkeypatch)
+    refused, refused_event = _worst_call(buf, b._STATUS_WORST_TOO_SMALL)
+    fine, fine_event = _worst_call(buf)
+    assert fine is not refused  # each call has its own record: the second cannot overwrite the first's status
+    buf._check_pending()  # neither event done: nothing to say yet, nothing waited for
+    assert len(buf._pending) == 2 and not refused_event.waited
+    refused_event.done = fine_event.done = True
+    with pytest.raises(ArgumentError, match="num_worst_tokens=8 is too small for what arrives"):
+        buf._check_pending()
+    buf._check_pending()  # reported once; the later call had nothing to report
+    assert not buf._pending
+
+
+def test_a_record_comes_round_only_after_its_last_call_is_reported(monkeypatch):
+    buf = _records_buffer(monkeypatch)
+    first, first_event = _worst_call(buf, b._STATUS_WORST_TOO_SMALL)
+    for _ in range(b._HOST_RECORDS - 1):
+        _worst_call(buf)
+    assert len({id(r) for r in buf._host_records}) == b._HOST_RECORDS
+    # The next call needs the first record again: the host waits for the first call and raises its refusal before
+    # any of the new call's kernels could be launched.
+    with pytest.raises(ArgumentError, match="too small for what arrives"):
+        buf._host_record(64)
+    assert first_event.waited and len(buf._pending) == b._HOST_RECORDS - 1
+    record, call = buf._host_record(64)  # the next record's last call had nothing to report
+    assert call == b._HOST_RECORDS + 1 and record is buf._host_records[1] and len(buf._pending) == b._HOST_RECORDS - 2
+    # More experts than a record holds: a larger one replaces it, the old one is freed.
+    old = buf._host_records[2]
+    bigger, _ = buf._host_record(1 << 16)
+    assert bigger.num_bytes > 4096 and buf._host_records[2] is bigger and old.closed

@@ -166,6 +166,26 @@ def run_case(
     return {"recv": m}
 
 
+def run_ahead_counts(buf, rank: int, R: int) -> None:
+    """A worst-token dispatch (the host does not wait for its counts), then one that reads its counts, both queued
+    while the GPU is busy: the second must get its own received rows and per-expert counts, not the first's."""
+    xs, idxs, ws = make_inputs(77, [30 + 9 * r for r in range(R)], 2048, 4, 64, 0.1)
+    ref = reference.dispatch(xs, idxs, ws, 64)
+    x_a = torch.randn(64, 2048, device="cuda").to(torch.bfloat16)
+    idx_a = torch.rand(64, 64, device="cuda").argsort(dim=1)[:, :8].contiguous()  # top-8: more rows than b's
+    x_b, idx_b, w_b = to_torch(xs[rank]), to_torch(idxs[rank]), to_torch(ws[rank])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # ~25 ms: the host queues both calls before the first notify runs
+    buf.dispatch(x_a, topk_idx=idx_a, num_experts=64, num_worst_tokens=64 * R)
+    d = buf.dispatch(x_b, topk_idx=idx_b, topk_weights=w_b, num_experts=64)
+    same("run-ahead recv_x", to_numpy(d.x), ref[rank].x)
+    same("run-ahead recv_topk_idx", to_numpy(d.topk_idx), ref[rank].topk_idx)
+    if d.num_recv_tokens_per_expert != list(ref[rank].num_recv_tokens_per_expert):
+        raise Mismatch(f"run-ahead num_recv_tokens_per_expert: {d.num_recv_tokens_per_expert} != reference "
+                       f"{list(ref[rank].num_recv_tokens_per_expert)}")
+    buf.synchronize()
+
+
 def digest(*tensors: torch.Tensor) -> str:
     h = hashlib.sha256()
     for t in tensors:
@@ -282,6 +302,17 @@ def main() -> int:
         except epjit.ArgumentError as e:
             result["worst_too_small"] = str(e)[:200]
         run_case(buf, rank, R, seed=8, counts=[40] * R, hidden=2048, topk=4, num_experts=64, fp8=False, holes=0.1)
+        # The same refusal with the host ahead of the GPU (a step's usual state): a later worst-token call, queued
+        # before the refused one's notify ran, must not hide it.
+        torch.cuda._sleep(50_000_000)  # ~25 ms on the caller's stream
+        buf.dispatch(x, topk_idx=idx, num_experts=64, num_worst_tokens=8)  # refused
+        buf.dispatch(x, topk_idx=idx, num_experts=64, num_worst_tokens=64 * R)  # fits
+        try:
+            buf.synchronize()
+            result["run_ahead_refusal"] = None
+        except epjit.ArgumentError as e:
+            result["run_ahead_refusal"] = str(e)[:200]
+        run_ahead_counts(buf, rank, R)
 
         # Back-to-back dispatch + combine with fresh routings, twice with the same seeds: bit-identical.
         runs = []
@@ -307,6 +338,7 @@ def main() -> int:
     group.close()
     ok = (result["loops_identical"] and "hidden differs" in (result["mismatch_error"] or "")
           and all(result["refused"].values()) and "too small for what arrives" in (result["worst_too_small"] or "")
+          and "too small for what arrives" in (result["run_ahead_refusal"] or "")
           and f"outside [-1, num_experts=64) on rank(s) {R - 1}" in (result["invalid_ids_error"] or ""))
     return 0 if ok else 1
 
