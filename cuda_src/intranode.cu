@@ -46,8 +46,11 @@ constexpr int kStatusOverCapacity = 16;  // some rank would receive more rows th
 constexpr int kMetaLayoutTooBig = 1 << 30;
 constexpr int kMetaInvalidIds = 1 << 29;
 constexpr int kFlagWorstTokens = 8;  // call flag: the receive capacity is num_worst_tokens (too small: an error)
+// Call flag: captured in a CUDA graph. host_out is then the graph's record, which the host reads whenever it next
+// checks, not after this call: notify writes it only when it refuses the call, so a refusal stays until read.
+constexpr int kFlagCaptured = 16;
 // Per-rank meta bits and flags, not meant to agree across ranks.
-constexpr int kOwnMetaBits = kMetaLayoutTooBig | kMetaInvalidIds | kFlagWorstTokens;
+constexpr int kOwnMetaBits = kMetaLayoutTooBig | kMetaInvalidIds | kFlagWorstTokens | kFlagCaptured;
 
 // EPJIT_PROFILE (timeline.cuh): the points dispatch and combine blocks stamp (epjit/kernels/intranode.py mirrors
 // them). Points several warp groups reach are stamped by each; the latest counts.
@@ -271,7 +274,6 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
         const int32_t* theirs = mine.meta + t * kMetaInts;
         const int32_t* own = mine.meta + me * kMetaInts;
         bool same = true;
-        for (int j = 0; j < kMetaInts; ++j) host_out[2 + t * kMetaInts + j] = theirs[j];
         for (int j = 0; j < kMetaCompared; ++j) {
             const int mask = j == 3 ? ~kOwnMetaBits : ~0;  // the own bits live in the flags word only
             same = same && (theirs[j] & mask) == (own[j] & mask);
@@ -291,7 +293,6 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
     __syncthreads();
     if (t < kNumRanks) {
         const int total = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + t];
-        host_out[2 + kMetaInts * kNumRanks + t] = total;
         const int32_t* theirs = mine.meta + t * kMetaInts;
         if (total > theirs[4])
             atomicOr(&status, theirs[3] & kFlagWorstTokens ? kStatusWorstTooSmall : kStatusOverCapacity);
@@ -304,12 +305,20 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
                 (sum + expert_alignment - 1) / expert_alignment * expert_alignment;
         }
     __syncthreads();
+    const bool report = !(flags & kFlagCaptured) || status != 0;
+    if (report && t < kNumRanks) {  // every rank's meta and received rows: what the host's messages name
+        for (int j = 0; j < kMetaInts; ++j) host_out[2 + t * kMetaInts + j] = mine.meta[t * kMetaInts + j];
+        host_out[2 + kMetaInts * kNumRanks + t] = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + t];
+    }
+    __syncthreads();
     if (t == 0) {
         *device_status = status;
-        host_out[1] = status;
-        // Last, with a system-scope release: the host spins on this word (it starts at -1), and seeing it proves
-        // every other host_out field landed (they were written before the __syncthreads above).
-        ptx::st_release_sys_s32(host_out, rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + me]);
+        if (report) {
+            host_out[1] = status;
+            // Last, with a system-scope release: the host spins on this word (it starts at -1), and seeing it
+            // proves every other host_out field landed (they were written before the __syncthreads above).
+            ptx::st_release_sys_s32(host_out, rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + me]);
+        }
     }
     timeline_mark(timeline, kNotifyAtEnd);
 }

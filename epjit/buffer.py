@@ -19,6 +19,7 @@ import functools
 import math
 import sys
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
@@ -66,8 +67,9 @@ from .memory import MappedHostArray, PeerMemory
 _STATUS_META_MISMATCH, _STATUS_WORST_TOO_SMALL, _STATUS_LAYOUT_TOO_BIG, _STATUS_INVALID_IDS = 1, 2, 4, 8
 _STATUS_OVER_CAPACITY = 16
 _META_INVALID_IDS, _META_LAYOUT_TOO_BIG = 1 << 29, 1 << 30
-_FLAG_FP8, _FLAG_WEIGHTS, _FLAG_TOPK, _FLAG_WORST_TOKENS = 1, 2, 4, 8
-_OWN_META_BITS = _META_INVALID_IDS | _META_LAYOUT_TOO_BIG | _FLAG_WORST_TOKENS  # kOwnMetaBits: need not agree
+_FLAG_FP8, _FLAG_WEIGHTS, _FLAG_TOPK, _FLAG_WORST_TOKENS, _FLAG_CAPTURED = 1, 2, 4, 8, 16
+# kOwnMetaBits: need not agree across ranks
+_OWN_META_BITS = _META_INVALID_IDS | _META_LAYOUT_TOO_BIG | _FLAG_WORST_TOKENS | _FLAG_CAPTURED
 _META_NAMES = ("hidden", "num_experts", "num_topk", "flags")
 _RATE_HISTORY = 32  # dispatches whose received rows per token size the next one's outputs (_recv_rows_estimate)
 # Notify's host records (received rows, status, meta, per-expert counts) a dispatch after dispatch may leave in
@@ -737,7 +739,7 @@ class Buffer:
         parts = tuple(_Ints(owner, o, shape, base + 4 * o) for o, shape in zip(offsets, shapes, strict=True))
         return parts if handle is None else (handle.rank_prefix_ints, handle.channel_prefix_ints, *parts)
 
-    def _check_status(self, host: MappedHostArray, num_worst_tokens: int) -> None:
+    def _check_status(self, host: MappedHostArray, num_worst_tokens: int, replayed: bool = False) -> None:
         ints = host.ints
         status = int(ints[1])
         if status == 0:
@@ -768,7 +770,8 @@ class Buffer:
             values = ", ".join(f"rank {i}: {int(v)} for {int(meta[i, 4])}" for i, v in enumerate(totals)
                                if meta[i, 4] < v)
             problems.append(f"the routing does not match the handle's (rows received for rows expected: {values})")
-        raise ArgumentError(with_rank("dispatch refused on every rank: " + "; ".join(problems)))
+        what = "a dispatch replayed from a CUDA graph was" if replayed else "dispatch"
+        raise ArgumentError(with_rank(f"{what} refused on every rank: " + "; ".join(problems)))
 
     @staticmethod
     def _describe_meta(name: str, value: int) -> str:
@@ -784,6 +787,12 @@ class Buffer:
             return
         while self._pending and self._pending[0][1].event.done:
             self._report_oldest()
+        graph = self._graph_record
+        if graph is not None and graph.ints[1] != 0:  # a replay refused since the last look (kFlagCaptured)
+            seen = types.SimpleNamespace(ints=graph.ints.copy())
+            graph.ints[1] = 0
+            me = self.rank % self.num_ranks
+            self._check_status(seen, int(seen.ints[2 + META_INTS * me + 4]), replayed=True)
 
     def _report_oldest(self) -> None:
         """Wait for the oldest unreported worst-token dispatch and raise what its notify found (once)."""
@@ -992,6 +1001,8 @@ class Buffer:
         fw = x_info.framework
         direct = fw == "torch" and previous_event is None  # see _torch_outputs
         host, call = self._host_record(num_experts_)
+        if call < 0:
+            flags |= _FLAG_CAPTURED  # notify writes the graph's record only when it refuses a replay
         comm = self.comm_stream
         table, status = self.mem.table_ptr, self._device_status.data.ptr
         caller = self._begin(previous_event)

@@ -119,7 +119,8 @@ def test_notify_meta_and_status_mirror_the_kernel():
                         ("kStatusLayoutTooBig", buffer._STATUS_LAYOUT_TOO_BIG),
                         ("kStatusInvalidIds", buffer._STATUS_INVALID_IDS),
                         ("kStatusOverCapacity", buffer._STATUS_OVER_CAPACITY),
-                        ("kFlagWorstTokens", buffer._FLAG_WORST_TOKENS)):
+                        ("kFlagWorstTokens", buffer._FLAG_WORST_TOKENS),
+                        ("kFlagCaptured", buffer._FLAG_CAPTURED)):
         assert re.search(rf"constexpr int {name} = {value};", source), name
     assert len(buffer._META_NAMES) == META_COMPARED
 

@@ -52,3 +52,6 @@ def test_worst_token_dispatch_and_combine_in_a_cuda_graph(n):
                                       timeout=300)
     assert code == 0, output[-8000:]
     assert [r["replays"] for r in results] == [5] * n, output[-4000:]
+    for r in results:
+        assert "replayed from a CUDA graph was refused on every rank" in r["graph_refusal"], r
+        assert "num_worst_tokens=8 is too small for what arrives" in r["graph_refusal"], r

@@ -111,7 +111,7 @@ def _records_buffer(monkeypatch: pytest.MonkeyPatch) -> Buffer:
     buf = object.__new__(Buffer)  # only the host-record state: no group, no GPU
     buf.num_ranks, buf.num_nvl_bytes = 2, 1 << 20
     buf._host_records, buf._host_record_calls = [None] * b._HOST_RECORDS, [-1] * b._HOST_RECORDS
-    buf._host_calls, buf._pending = 0, collections.deque()
+    buf._host_calls, buf._pending, buf._graph_record = 0, collections.deque(), None
     return buf
 
 
@@ -161,3 +161,20 @@ def test_a_record_comes_round_only_after_its_last_call_is_reported(monkeypatch):
     old = buf._host_records[2]
     bigger, _ = buf._host_record(1 << 16)
     assert bigger.num_bytes > 4096 and buf._host_records[2] is bigger and old.closed
+
+
+def test_a_refused_graph_replay_is_raised_by_the_next_look_once(monkeypatch):
+    buf = _records_buffer(monkeypatch)
+    buf.rank = 1
+    buf._graph_record = record = _FakeRecord(4096)
+    buf._check_pending()  # notify never wrote the graph's record: nothing to say
+    # What notify writes when it refuses a replay (kFlagCaptured): rank 1 asked for 8 rows and would receive 30.
+    record.ints[1] = b._STATUS_WORST_TOO_SMALL
+    for i, capacity in enumerate((100, 8)):
+        record.ints[2 + i * META_INTS + 3] = b._FLAG_WORST_TOKENS | b._FLAG_CAPTURED
+        record.ints[2 + i * META_INTS + 4] = capacity
+    record.ints[2 + META_INTS * 2:2 + META_INTS * 2 + 2] = (20, 30)
+    with pytest.raises(ArgumentError, match=r"replayed from a CUDA graph was refused on every rank: "
+                                            r"num_worst_tokens=8 is too small .*rank 1: 30 for 8\)"):
+        buf._check_pending()
+    buf._check_pending()  # read once: the record's status was cleared

@@ -1,5 +1,6 @@
 """One rank of the CUDA-graph check: worst-token dispatch + combine captured once in a torch CUDA graph, replayed
-with new inputs copied into the captured tensors, checked against epjit.reference each replay.
+with new inputs copied into the captured tensors, checked against epjit.reference each replay; and a captured
+dispatch whose num_worst_tokens is too small, whose replay must be reported by the next eager look.
 
     python -m epjit.launch -n 2 tests/ranks/intranode_graph.py
 """
@@ -44,6 +45,32 @@ def main() -> int:
     with torch.cuda.graph(graph, stream=stream):  # the stream the warm-up filled CuPy's pool on
         d, c = step()
     result = {"rank": rank, "replays": 0}
+
+    # num_worst_tokens below what arrives: notify refuses the replay on every rank (the kernels do nothing) and
+    # the next eager look, here synchronize, raises; the graph above still replays correctly afterwards.
+    def refused_step():
+        layout = buf.get_dispatch_layout(idx, experts)
+        return buf.dispatch(x, topk_idx=idx, topk_weights=w, layout=layout, num_worst_tokens=8)
+
+    with torch.cuda.stream(stream):
+        refused_step()  # warm-up (refused too): CuPy's pool gets the blocks the capture takes
+    torch.cuda.synchronize()
+    try:
+        buf.synchronize()
+    except epjit.ArgumentError:
+        pass
+    refused = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(refused, stream=stream):
+        kept = refused_step()  # held: its CuPy blocks stay the graph's
+    group.barrier()
+    refused.replay()
+    torch.cuda.synchronize()  # the replay runs on this stream, not the Buffer's
+    try:
+        buf.synchronize()
+        result["graph_refusal"] = None
+    except epjit.ArgumentError as e:
+        result["graph_refusal"] = str(e)[:240]
+    del kept
     for replay in range(5):
         xs, idxs, ws = make_inputs(100 + replay, [tokens] * R, hidden, topk, experts, 0.2)
         x.copy_(to_torch(xs[rank]))
