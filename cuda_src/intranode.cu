@@ -590,9 +590,13 @@ template <int kNumRanks, int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1)
 intranode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y, const float* y_topk_weights,
                   const int4* bias0, const int4* bias1, const int* rank_prefix_matrix, const int* recv_channel_offset,
-                  const int* send_head, int4* out_x, float* out_topk_weights, int num_tokens, int hidden,
-                  int num_topk, int num_channels, int num_slots, int num_max_send_tokens, uint64_t* timeline) {
+                  const int* send_head, const int* dispatch_status, int4* out_x, float* out_topk_weights,
+                  int num_tokens, int hidden, int num_topk, int num_channels, int num_slots, int num_max_send_tokens,
+                  uint64_t* timeline) {
     constexpr int kNumWarps = kNumThreads / 32;
+    // The handle's dispatch was refused (notify's status, the same on every rank): its receipts were never
+    // written, so every block of every rank returns, before claiming a channel (the claims stay as they were).
+    if (*dispatch_status != 0) return;
     const int channel = claim_channel(claims, peers, num_channels);
     if (channel < 0) return;
     timeline_start(timeline, kNormalAtStart, channel);

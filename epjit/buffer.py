@@ -317,6 +317,9 @@ class DispatchHandle:
     recv_src_ints: _Ints = field(repr=False)  # [rows or more]: source token index of each received row
     is_token_in_rank: Any  # [N, R] bool
     send_head_ints: _Ints = field(repr=False)  # [N, R]: ring index token t took towards r (or -(next index)-1)
+    # [1]: what notify found (0: nothing): the dispatch and every combine of this handle do nothing unless 0, so a
+    # handle from a refused worst-token dispatch, used before the refusal is raised, cannot send garbage receipts.
+    status_ints: _Ints = field(repr=False)
     num_tokens: int
     num_recv_tokens: int  # -1 when unknown to the host (worst-token mode)
     num_rows: int  # rows of the dispatched arrays
@@ -486,7 +489,6 @@ class Buffer:
         try:
             with self._device:
                 self.comm_stream = cupy.cuda.Stream(non_blocking=True)
-                self._device_status = cupy.zeros(1, dtype=cupy.int32)
                 # cuda_src/placement.cuh's ChannelClaims for dispatch, then for combine: zero before the first
                 # launch; each launch's last block zeroes them for the next.
                 self._claims = cupy.zeros(2 * CLAIMS_INTS, dtype=cupy.int32)
@@ -721,12 +723,13 @@ class Buffer:
 
     def _dispatch_ints(self, num_channels: int, num_tokens: int, capacity: int,
                        handle: DispatchHandle | None) -> tuple[_Ints, ...]:
-        """rank_prefix_matrix and channel_prefix_matrix (a replayed handle's), recv_channel_offset, send_head and
-        recv_src_idx of one dispatch, carved from one CuPy allocation: one allocation and no array objects (a small
-        batch waits for this host's time). The caller has made the communication stream CuPy's current stream."""
+        """rank_prefix_matrix and channel_prefix_matrix (a replayed handle's), recv_channel_offset, send_head,
+        recv_src_idx and the status word of one dispatch, carved from one CuPy allocation: one allocation and no
+        array objects (a small batch waits for this host's time). The caller has made the communication stream
+        CuPy's current stream."""
         r = self.num_ranks
         shapes = [(r, r), (r, num_channels)] if handle is None else []
-        shapes += [(r, num_channels), (num_tokens, r), (capacity,)]
+        shapes += [(r, num_channels), (num_tokens, r), (capacity,), (1,)]
         offsets, total = [], 0
         for shape in shapes:
             offsets.append(total)
@@ -1004,7 +1007,7 @@ class Buffer:
         if call < 0:
             flags |= _FLAG_CAPTURED  # notify writes the graph's record only when it refuses a replay
         comm = self.comm_stream
-        table, status = self.mem.table_ptr, self._device_status.data.ptr
+        table = self.mem.table_ptr
         caller = self._begin(previous_event)
         profile.mark("validated", comm)
         # Outputs are allocated before the counts are known, so that the GPU runs dispatch right after notify
@@ -1030,8 +1033,8 @@ class Buffer:
         grid = normal_grid(num_channels, self._num_device_sms)
         with comm:  # CuPy allocates on the communication stream (the handle's ints, CuPy callers' outputs)
             for attempt in range(2):
-                rank_prefix, channel_prefix, recv_channel_offset, send_head, recv_src = self._dispatch_ints(
-                    num_channels, num_tokens, capacity, handle)
+                rank_prefix, channel_prefix, recv_channel_offset, send_head, recv_src, status = \
+                    self._dispatch_ints(num_channels, num_tokens, capacity, handle)
                 outs = self._dispatch_outputs(direct, capacity, hidden, num_scales, num_topk, fp8,
                                               idx_arg is not None, w_arg is not None)
                 profile.mark("allocated", comm)
@@ -1040,13 +1043,13 @@ class Buffer:
                     "intranode_notify", 1 + r, 128, table, per_rank, per_expert, in_rank, num_tokens, num_channels,
                     config.nvl_chunk_recv, hidden, num_topk, num_scales, num_experts_, flags, expert_alignment,
                     capacity, int(handle is not None), invalid, rank_prefix.ptr, channel_prefix.ptr,
-                    host.device_ptr, status, profile.timeline("notify", 1 + r, NOTIFY_TIMELINE_POINTS),
+                    host.device_ptr, status.ptr, profile.timeline("notify", 1 + r, NOTIFY_TIMELINE_POINTS),
                     stream=comm)
                 profile.mark("notify", comm)
                 self._main_module.launch(
                     "intranode_dispatch", grid, NUM_THREADS, table, self._claims_ptrs[0], x_arg, scales_arg,
                     0 if idx_arg is None else idx_arg, 0 if w_arg is None else w_arg, in_rank,
-                    channel_prefix.ptr, rank_prefix.ptr, status, _address(outs[0]), _address(outs[1]),
+                    channel_prefix.ptr, rank_prefix.ptr, status.ptr, _address(outs[0]), _address(outs[1]),
                     recv_src.ptr, _address(outs[2]), _address(outs[3]), recv_channel_offset.ptr,
                     send_head.ptr, num_tokens, hidden, hidden * (1 if fp8 else 2) // 16, num_scales, num_topk,
                     num_experts_, num_channels, config.nvl_chunk_recv, config.nvl_chunk_send, num_worst_tokens,
@@ -1087,8 +1090,8 @@ class Buffer:
         if num_worst_tokens > 0 and call >= 0:
             self._pending.append((call, event, host, num_worst_tokens))
         new_handle = DispatchHandle(rank_prefix, channel_prefix, recv_channel_offset, recv_src, in_rank_kept,
-                                    send_head, num_tokens, num_recv, num_rows, num_channels, hidden, num_topk,
-                                    num_experts_, buffer_id=id(self))
+                                    send_head, status, num_tokens, num_recv, num_rows, num_channels, hidden,
+                                    num_topk, num_experts_, buffer_id=id(self))
         if direct:
             if async_finish:
                 self._used_by_comm_stream((*outs, *(x if fp8 else (x,)), topk_idx, topk_weights, in_rank_kept,
@@ -1168,7 +1171,8 @@ class Buffer:
             "intranode_combine", grid, NUM_THREADS, table, self._claims_ptrs[1], y_arg,
             0 if w_arg is None else w_arg,
             biases[0] if biases else 0, biases[1] if len(biases) > 1 else 0, handle.rank_prefix_ints.ptr,
-            handle.recv_channel_offset_ints.ptr, handle.send_head_ints.ptr, _address(out), _address(out_w),
+            handle.recv_channel_offset_ints.ptr, handle.send_head_ints.ptr, handle.status_ints.ptr, _address(out),
+            _address(out_w),
             handle.num_tokens, handle.hidden, handle.num_topk, handle.num_channels, config.nvl_chunk_recv,
             config.nvl_chunk_send, profile.timeline("combine", grid, NORMAL_TIMELINE_POINTS),
             stream=comm)

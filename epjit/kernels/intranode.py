@@ -69,9 +69,9 @@ class IntranodeSpec(KernelSpec):
         "intranode_combine": (
             PEERS, CLAIMS, ("y", "const int4*"), ("y_topk_weights", "const float*"), ("bias0", "const int4*"),
             ("bias1", "const int4*"), ("rank_prefix_matrix", "const int*"), ("recv_channel_offset", "const int*"),
-            ("send_head", "const int*"), ("out_x", "int4*"), ("out_topk_weights", "float*"), ("num_tokens", "int"),
-            ("hidden", "int"), ("num_topk", "int"), ("num_channels", "int"), ("num_slots", "int"),
-            ("num_max_send_tokens", "int"), ("timeline", "uint64_t*")),
+            ("send_head", "const int*"), ("dispatch_status", "const int*"), ("out_x", "int4*"),
+            ("out_topk_weights", "float*"), ("num_tokens", "int"), ("hidden", "int"), ("num_topk", "int"),
+            ("num_channels", "int"), ("num_slots", "int"), ("num_max_send_tokens", "int"), ("timeline", "uint64_t*")),
     }
 
     def __post_init__(self) -> None:

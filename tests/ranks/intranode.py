@@ -304,8 +304,11 @@ def main() -> int:
         run_case(buf, rank, R, seed=8, counts=[40] * R, hidden=2048, topk=4, num_experts=64, fp8=False, holes=0.1)
         # The same refusal with the host ahead of the GPU (a step's usual state): a later worst-token call, queued
         # before the refused one's notify ran, must not hide it.
+        # Its handle's combine, queued before the refusal is known, must do nothing (its receipts were never
+        # written): not wait on them until EPJIT_TIMEOUT_S, nor read past the rows.
         torch.cuda._sleep(50_000_000)  # ~25 ms on the caller's stream
-        buf.dispatch(x, topk_idx=idx, num_experts=64, num_worst_tokens=8)  # refused
+        refused = buf.dispatch(x, topk_idx=idx, num_experts=64, num_worst_tokens=8)
+        buf.combine(refused.x, refused.handle)
         buf.dispatch(x, topk_idx=idx, num_experts=64, num_worst_tokens=64 * R)  # fits
         try:
             buf.synchronize()
