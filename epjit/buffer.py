@@ -535,12 +535,18 @@ class Buffer:
     # ------------------------------------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Collective: wait for this Buffer's work, then release the peer memory on every rank."""
+        """Collective: wait for this Buffer's work, then release the peer memory on every rank. A worst-token
+        dispatch's refusal not raised yet is raised here, once everything is released (on every rank alike)."""
         if self._closed:
             return
         self._closed = True
+        refusal: ArgumentError | None = None
         try:
             self.mem.synchronize(self.comm_stream)
+            try:
+                self._check_pending()
+            except ArgumentError as e:
+                refusal = e
         finally:
             for record in (*self._host_records, self._graph_record):
                 if record is not None:
@@ -548,12 +554,20 @@ class Buffer:
             if self._ll is not None:
                 self._ll.close()
             self.mem.close()
+        if refusal is not None:
+            raise refusal
 
     def __enter__(self) -> Buffer:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except ArgumentError:
+            pass  # a refusal found on the way out: the exception already leaving the with-block is the one to see
 
     @staticmethod
     def get_normal_size_hint(num_ranks: int, hidden: int, num_topk: int = 8, num_experts: int = 256,

@@ -31,6 +31,7 @@ def test_intranode_against_reference(n):
         assert "bytes of NVLink buffer" in refused["buffer_too_small"], refused
         assert "num_worst_tokens=8 is too small for what arrives" in r["worst_too_small"], r
         assert "num_worst_tokens=8 is too small for what arrives" in r["run_ahead_refusal"], r
+        assert "num_worst_tokens=8 is too small for what arrives" in r["close_refusal"], r
     print("\n".join(str(r) for r in results))
 
 

@@ -178,3 +178,28 @@ def test_a_refused_graph_replay_is_raised_by_the_next_look_once(monkeypatch):
                                             r"num_worst_tokens=8 is too small .*rank 1: 30 for 8\)"):
         buf._check_pending()
     buf._check_pending()  # read once: the record's status was cleared
+
+
+def _closable_with_refusal(monkeypatch: pytest.MonkeyPatch) -> tuple[Buffer, list[str]]:
+    buf = _records_buffer(monkeypatch)
+    released: list[str] = []
+    buf._closed, buf._ll, buf.comm_stream = False, None, None
+    buf.mem = SimpleNamespace(synchronize=lambda stream: None, close=lambda: released.append("peer memory"))
+    _, event = _worst_call(buf, b._STATUS_WORST_TOO_SMALL)
+    event.done = True
+    return buf, released
+
+
+def test_close_raises_an_unreported_refusal_after_releasing_everything(monkeypatch):
+    buf, released = _closable_with_refusal(monkeypatch)
+    with pytest.raises(ArgumentError, match="too small for what arrives"):
+        buf.close()
+    assert released == ["peer memory"] and buf._host_records[0].closed
+    buf.close()  # closed once: nothing more to raise
+
+
+def test_leaving_a_with_block_on_an_exception_keeps_that_exception(monkeypatch):
+    buf, released = _closable_with_refusal(monkeypatch)
+    with pytest.raises(KeyError), buf:
+        raise KeyError("the caller's own error")
+    assert released == ["peer memory"]

@@ -316,6 +316,14 @@ def main() -> int:
         except epjit.ArgumentError as e:
             result["run_ahead_refusal"] = str(e)[:200]
         run_ahead_counts(buf, rank, R)
+        # A refusal nothing raised before the Buffer is closed: close raises it, after releasing everything.
+        spare = epjit.Buffer(group, num_nvl_bytes=epjit.Buffer.get_normal_size_hint(R, 2048, 4, 64))
+        spare.dispatch(x, topk_idx=idx, num_experts=64, num_worst_tokens=8)
+        try:
+            spare.close()
+            result["close_refusal"] = None
+        except epjit.ArgumentError as e:
+            result["close_refusal"] = str(e)[:200]
 
         # Back-to-back dispatch + combine with fresh routings, twice with the same seeds: bit-identical.
         runs = []
@@ -342,6 +350,7 @@ def main() -> int:
     ok = (result["loops_identical"] and "hidden differs" in (result["mismatch_error"] or "")
           and all(result["refused"].values()) and "too small for what arrives" in (result["worst_too_small"] or "")
           and "too small for what arrives" in (result["run_ahead_refusal"] or "")
+          and "too small for what arrives" in (result["close_refusal"] or "")
           and f"outside [-1, num_experts=64) on rank(s) {R - 1}" in (result["invalid_ids_error"] or ""))
     return 0 if ok else 1
 
