@@ -535,8 +535,8 @@ class Buffer:
     # ------------------------------------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Collective: wait for this Buffer's work, then release the peer memory on every rank. A worst-token
-        dispatch's refusal not raised yet is raised here, once everything is released (on every rank alike)."""
+        """Collective: wait for this Buffer's work, then release the peer memory on every rank. What a refused or
+        wrong earlier call found and no call has raised yet is raised here, once everything is released."""
         if self._closed:
             return
         self._closed = True
@@ -545,6 +545,7 @@ class Buffer:
             self.mem.synchronize(self.comm_stream)
             try:
                 self._check_pending()
+                self._raise_low_latency_status()
             except ArgumentError as e:
                 refusal = e
         finally:
@@ -1243,24 +1244,30 @@ class Buffer:
         self._check_open()
         if self._ll is None:
             raise EpjitError(with_rank("this Buffer was not made with low_latency_mode=True"))
-        status = int(self._ll.host_status.ints[0])
-        if status:
-            self._ll.host_status.ints[0] = 0
-            problems = []
-            if status & STATUS_INVALID_IDS:
-                problems.append(f"topk_idx had entries outside [-1, num_experts={self.num_experts}) (skipped)")
-            if status & STATUS_SLOT_OVERFLOW:
-                problems.append("one rank's topk_idx named one expert in more than "
-                                f"num_max_dispatch_tokens_per_rank={self.num_max_dispatch_tokens_per_rank} slots "
-                                "(repeated experts; the extra rows were dropped)")
-            if status & STATUS_META_MISMATCH:
-                problems.append("a rank dispatched with another hidden size or use_fp8 setting than this one")
-            if status & STATUS_LAYOUT_TOO_BIG:
-                problems.append("the kernels' buffer layout does not fit the symmetric heap (an epjit bug: "
-                                "epjit/kernels/low_latency.py and cuda_src/low_latency.cuh disagree)")
-            raise ArgumentError(with_rank("an earlier low-latency call was wrong, its results are not valid: "
-                                          + "; ".join(problems)))
+        self._raise_low_latency_status()
         return self._ll
+
+    def _raise_low_latency_status(self) -> None:
+        """Raise, once, what earlier low-latency kernels found (their last block ORs it into host_status)."""
+        ll = self._ll
+        if ll is None or not ll.host_status.ints[0]:
+            return
+        status = int(ll.host_status.ints[0])
+        ll.host_status.ints[0] = 0
+        problems = []
+        if status & STATUS_INVALID_IDS:
+            problems.append(f"topk_idx had entries outside [-1, num_experts={self.num_experts}) (skipped)")
+        if status & STATUS_SLOT_OVERFLOW:
+            problems.append("one rank's topk_idx named one expert in more than "
+                            f"num_max_dispatch_tokens_per_rank={self.num_max_dispatch_tokens_per_rank} slots "
+                            "(repeated experts; the extra rows were dropped)")
+        if status & STATUS_META_MISMATCH:
+            problems.append("a rank dispatched with another hidden size or use_fp8 setting than this one")
+        if status & STATUS_LAYOUT_TOO_BIG:
+            problems.append("the kernels' buffer layout does not fit the symmetric heap (an epjit bug: "
+                            "epjit/kernels/low_latency.py and cuda_src/low_latency.cuh disagree)")
+        raise ArgumentError(with_rank("an earlier low-latency call was wrong, its results are not valid: "
+                                      + "; ".join(problems)))
 
     def _low_latency_set(self, ll: _LowLatencyState, call: str) -> int:
         """The buffer set this call takes; refuses one whose earlier call still waits for its hook."""
@@ -1525,9 +1532,11 @@ class Buffer:
         self._sync()
 
     def synchronize(self) -> None:
-        """Wait for all of this Buffer's work; raises EpjitTimeoutError if a kernel gave up waiting."""
+        """Wait for all of this Buffer's work; raises EpjitTimeoutError if a kernel gave up waiting, and what a
+        refused or wrong earlier call found that no call has raised yet."""
         self._sync()
         self._check_pending()
+        self._raise_low_latency_status()
 
 
 __all__ = ["Buffer", "CombineResult", "Config", "DispatchHandle", "DispatchLayout", "DispatchResult", "Event",

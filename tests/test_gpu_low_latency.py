@@ -29,6 +29,7 @@ def _check(results: list[dict], n: int) -> None:
         assert "hook already ran" in refused["hook_twice"], refused
         if r["rank"] == 0:
             assert "outside [-1, num_experts=" in refused["invalid_ids"], refused
+            assert "outside [-1, num_experts=" in refused["invalid_ids_synchronize"], refused
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -203,3 +203,19 @@ def test_leaving_a_with_block_on_an_exception_keeps_that_exception(monkeypatch):
     with pytest.raises(KeyError), buf:
         raise KeyError("the caller's own error")
     assert released == ["peer memory"]
+
+
+def test_synchronize_and_close_raise_what_a_low_latency_kernel_found_once(monkeypatch):
+    buf, released = _closable_with_refusal(monkeypatch)
+    buf._pending.clear()
+    buf.num_experts, buf.num_max_dispatch_tokens_per_rank = 64, 8
+    status = np.zeros(16, dtype=np.int32)
+    buf._ll = SimpleNamespace(host_status=SimpleNamespace(ints=status), close=lambda: released.append("ll"))
+    status[0] = b.STATUS_INVALID_IDS  # what ll_dispatch's last block ORs in
+    with pytest.raises(ArgumentError, match=r"earlier low-latency call was wrong.*outside \[-1, num_experts=64\)"):
+        buf.synchronize()
+    buf.synchronize()  # once
+    status[0] = b.STATUS_SLOT_OVERFLOW
+    with pytest.raises(ArgumentError, match="num_max_dispatch_tokens_per_rank=8 slots"):
+        buf.close()
+    assert released == ["ll", "peer memory"]

@@ -326,6 +326,14 @@ def refusals(buf, group, rank: int, R: int) -> dict[str, str]:
         buf.low_latency_dispatch(x[:2], idx[:2], m, experts)
         out["invalid_ids"] = "(rank 0 only)"
     sync(buf)
+    # The same, raised by Buffer.synchronize when no call comes after (not collective: rank 0 alone raises).
+    buf.low_latency_dispatch(x[:2], bad, m, experts)
+    sync(buf)
+    if rank == 0:
+        refused("invalid_ids_synchronize", buf.synchronize)
+    else:
+        buf.synchronize()
+        out["invalid_ids_synchronize"] = "(rank 0 only)"
     return out
 
 
