@@ -175,9 +175,12 @@ struct CombineRoles {
     __device__ void sync() const { ptx::bar_sync(group + 1, kSendPerPeer * 32); }
 };
 
-// Host-mapped ints notify fills (host_out), read by the host once [0] is no longer -1 (written last):
+// Host-mapped ints notify fills (host_out, the call's own record), read by the host once [0] is no longer -1
+// (written last):
 //   [0] rows this rank receives   [1] status bits   [2, 2+M*R) every rank's meta (M = kMetaInts)   [2+M*R,
 //   2+(M+1)*R) rows each rank receives   [2+(M+1)*R, +L) rows per local expert, rounded up to expert_alignment
+// call_status: the status bits again, in the handle's device ints: the dispatch and every combine of the handle
+// do nothing unless they are 0.
 //
 // recv_capacity: the rows of output this rank allocated before the counts were known (num_worst_tokens, a
 // handle's rows, or the host's estimate). Every rank learns every rank's capacity through the meta,
@@ -189,7 +192,7 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
                                  int num_channels, int num_slots, int hidden, int num_topk, int num_scales,
                                  int num_experts, int flags, int expert_alignment, int recv_capacity, int cached,
                                  const int* invalid_ids, int* rank_prefix_matrix, int* channel_prefix_matrix,
-                                 int* host_out, int* device_status, uint64_t* timeline) {
+                                 int* host_out, int* call_status, uint64_t* timeline) {
     const int me = peers->nvl_rank;
     const int t = static_cast<int>(threadIdx.x);
     const int num_local_experts = num_experts / kNumRanks;
@@ -312,7 +315,7 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
     }
     __syncthreads();
     if (t == 0) {
-        *device_status = status;
+        *call_status = status;
         if (report) {
             host_out[1] = status;
             // Last, with a system-scope release: the host spins on this word (it starts at -1), and seeing it
@@ -398,7 +401,7 @@ template <int kNumRanks, int kNumThreads>
 __global__ void __launch_bounds__(kNumThreads, 1)
 intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x, const float* x_scales,
                    const int64_t* topk_idx, const float* topk_weights, const bool* is_token_in_rank,
-                   const int* channel_prefix_matrix, const int* rank_prefix_matrix, const int* device_status,
+                   const int* channel_prefix_matrix, const int* rank_prefix_matrix, const int* call_status,
                    int4* recv_x, float* recv_x_scales,
                    int* recv_src_idx, int64_t* recv_topk_idx, float* recv_topk_weights, int* recv_channel_offset,
                    int* send_head, int num_tokens, int hidden, int x_row_int4, int num_scales, int num_topk,
@@ -410,7 +413,7 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
     // Launched programmatically (buffer.py): the block may have started while notify still ran; from here on it
     // reads what notify wrote (the status, the prefix matrices, zeroed control words, the peers' barrier).
     ptx::griddepcontrol_wait();
-    if (*device_status != 0) return;  // notify found a problem: every rank stops here, before any send
+    if (*call_status != 0) return;  // notify found a problem: every rank stops here, before any send
     timeline_start(timeline, kNormalAtStart, channel);
 
     using Roles = DispatchRoles<kNumRanks, kNumWarps>;

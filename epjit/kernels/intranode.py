@@ -44,7 +44,7 @@ class IntranodeNotifySpec(KernelSpec):
                              ("num_experts", "int"), ("flags", "int"), ("expert_alignment", "int"),
                              ("recv_capacity", "int"), ("cached", "int"), ("invalid_ids", "const int*"),
                              ("rank_prefix_matrix", "int*"),
-                             ("channel_prefix_matrix", "int*"), ("host_out", "int*"), ("device_status", "int*"),
+                             ("channel_prefix_matrix", "int*"), ("host_out", "int*"), ("call_status", "int*"),
                              ("timeline", "uint64_t*")),
     }
 
@@ -60,7 +60,7 @@ class IntranodeSpec(KernelSpec):
             PEERS, CLAIMS, ("x", "const int4*"), ("x_scales", "const float*"), ("topk_idx", "const int64_t*"),
             ("topk_weights", "const float*"), ("is_token_in_rank", "const bool*"),
             ("channel_prefix_matrix", "const int*"), ("rank_prefix_matrix", "const int*"),
-            ("device_status", "const int*"), ("recv_x", "int4*"), ("recv_x_scales", "float*"),
+            ("call_status", "const int*"), ("recv_x", "int4*"), ("recv_x_scales", "float*"),
             ("recv_src_idx", "int*"), ("recv_topk_idx", "int64_t*"), ("recv_topk_weights", "float*"),
             ("recv_channel_offset", "int*"), ("send_head", "int*"), ("num_tokens", "int"), ("hidden", "int"),
             ("x_row_int4", "int"), ("num_scales", "int"), ("num_topk", "int"), ("num_experts", "int"),
