@@ -19,7 +19,6 @@ import functools
 import math
 import sys
 import time
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
@@ -592,10 +591,10 @@ class Buffer:
     def _host_record_bytes(self, num_experts: int) -> int:
         return max(4 * (2 + (META_INTS + 1) * self.num_ranks + num_experts // self.num_ranks), 4096)
 
-    def _host_record(self, num_experts: int) -> tuple[MappedHostArray, int]:
-        """The host record notify fills for this dispatch, and the call's number (-1 under graph capture)."""
+    def _host_record(self, num_experts: int, captured: bool = False) -> tuple[MappedHostArray, int]:
+        """The host record notify fills for this dispatch, and the call's number (-1 for a captured one)."""
         need = self._host_record_bytes(num_experts)
-        if _capturing():
+        if captured:
             assert self._graph_record is not None  # made with the NVLink buffer, for up to 4096 experts
             if need > self._graph_record.num_bytes:
                 raise ArgumentError(with_rank(f"a dispatch captured in a CUDA graph takes up to 4096 experts (or the "
@@ -757,8 +756,8 @@ class Buffer:
         parts = tuple(_Ints(owner, o, shape, base + 4 * o) for o, shape in zip(offsets, shapes, strict=True))
         return parts if handle is None else (handle.rank_prefix_ints, handle.channel_prefix_ints, *parts)
 
-    def _check_status(self, host: MappedHostArray, num_worst_tokens: int, replayed: bool = False) -> None:
-        ints = host.ints
+    def _check_status(self, ints: np.ndarray, num_worst_tokens: int, replayed: bool = False) -> None:
+        """Raise what notify's record `ints` says it refused (nothing when its status is 0)."""
         status = int(ints[1])
         if status == 0:
             return
@@ -801,16 +800,18 @@ class Buffer:
 
     def _check_pending(self) -> None:
         """Raise what earlier worst-token dispatches' notify found, oldest first, for those their stream got past."""
-        if _capturing():
+        graph = self._graph_record
+        graph_refused = graph is not None and graph.ints[1] != 0  # a replay refused since the last look
+        if not (self._pending or graph_refused) or _capturing():  # the common case asks the stream nothing
             return
         while self._pending and self._pending[0][1].event.done:
             self._report_oldest()
-        graph = self._graph_record
-        if graph is not None and graph.ints[1] != 0:  # a replay refused since the last look (kFlagCaptured)
-            seen = types.SimpleNamespace(ints=graph.ints.copy())
+        if graph_refused:
+            assert graph is not None
+            seen = graph.ints.copy()
             graph.ints[1] = 0
             me = self.rank % self.num_ranks
-            self._check_status(seen, int(seen.ints[2 + META_INTS * me + 4]), replayed=True)
+            self._check_status(seen, int(seen[2 + META_INTS * me + 4]), replayed=True)
 
     def _report_oldest(self) -> None:
         """Wait for the oldest unreported worst-token dispatch and raise what its notify found (once)."""
@@ -819,7 +820,7 @@ class Buffer:
             event.event.synchronize()
         except _cupy().cuda.runtime.CUDARuntimeError as e:
             self.mem.raise_for(e)
-        self._check_status(record, num_worst_tokens)
+        self._check_status(record.ints, num_worst_tokens)
 
     # ------------------------------------------------------------------------------------------------ layout
 
@@ -1018,7 +1019,8 @@ class Buffer:
         r = self.num_ranks
         fw = x_info.framework
         direct = fw == "torch" and previous_event is None  # see _torch_outputs
-        host, call = self._host_record(num_experts_)
+        # Only a worst-token dispatch can be captured (the others wait for their counts): ask the stream only then.
+        host, call = self._host_record(num_experts_, captured=num_worst_tokens > 0 and _capturing())
         if call < 0:
             flags |= _FLAG_CAPTURED  # notify writes the graph's record only when it refuses a replay
         comm = self.comm_stream
@@ -1082,7 +1084,7 @@ class Buffer:
                     capacity = num_recv  # every rank stopped; each runs again with its exact rows
                     self._dispatch_retries += 1
                     continue
-                self._check_status(host, 0)
+                self._check_status(host_ints, 0)
                 profile.mark("host_synced")
                 if num_tokens > 0:
                     self._recv_rates.append(num_recv / num_tokens)

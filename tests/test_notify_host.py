@@ -48,7 +48,7 @@ def _check(host: _Host, num_worst_tokens: int = 0) -> str:
     stub = SimpleNamespace(num_ranks=2, num_nvl_bytes=1 << 20,
                            _describe_meta=Buffer._describe_meta)
     with pytest.raises(ArgumentError) as e:
-        Buffer._check_status(stub, host, num_worst_tokens)
+        Buffer._check_status(stub, host.ints, num_worst_tokens)
     return str(e.value)
 
 
@@ -81,7 +81,7 @@ def test_over_capacity_with_a_handle_says_the_routing_changed():
 
 def test_nothing_to_say_when_the_status_is_clear():
     host = _host_out(0, [[7168, 64, 8, 0, 10], [7168, 64, 8, 0, 10]], [5, 5])
-    Buffer._check_status(SimpleNamespace(num_ranks=2, num_nvl_bytes=1), host, 0)
+    Buffer._check_status(SimpleNamespace(num_ranks=2, num_nvl_bytes=1), host.ints, 0)
 
 
 class _FakeRecord:
