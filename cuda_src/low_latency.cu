@@ -31,7 +31,8 @@
 // `phases` selects send, receive or both: with return_recv_hook the host launches the send half now and the
 // receive half when the caller runs the hook, so no SM waits while bytes are in flight.
 //
-// Signals carry the epoch of the call (low_latency.cuh); the last block of a call's receive half advances it.
+// Signals carry the epoch of the call (low_latency.cuh); the last block of a call's receive half advances it and
+// acks the call (a dispatch's acks are sent by the next low-latency kernel: finish_call).
 #include "bf16.cuh"
 #include "copy.cuh"
 #include "fp8.cuh"
@@ -53,11 +54,17 @@ constexpr int kFlagFp8 = 1;
 constexpr int kFlagRoundScale = 2;
 constexpr int kFlagUe8m0 = 4;
 
-// Status bits, sticky in LowLatencySync::status until the host has read them (epjit/buffer.py mirrors them).
+// Status bits, ORed into the call word (LowLatencySync::call[set], above kCallBlockBits) and from there by the
+// call's last block into host_status, where they stay until the host has read them (epjit/buffer.py mirrors them).
 constexpr int kLowLatencyInvalidIds = 1;    // topk_idx entries outside [-1, num_experts): skipped
 constexpr int kLowLatencySlotOverflow = 2;  // > M top-k slots of one rank name one expert (repeats): dropped
 constexpr int kLowLatencyMetaMismatch = 4;  // a message with another hidden size or FP8 setting arrived
 constexpr int kLowLatencyLayoutTooBig = 8;  // the two sets do not fit the heap (host and header disagree): no-op
+constexpr int kCallBlockBits = 16;          // the call word's low bits count finished blocks (grids < 65536)
+
+__device__ __forceinline__ void report_status(int32_t* call_word, int status) {
+    atomicOr(call_word, status << kCallBlockBits);
+}
 
 // EPJIT_PROFILE (timeline.cuh): the points a low-latency kernel stamps (epjit/kernels/low_latency.py mirrors them).
 enum TimelinePoint {
@@ -88,34 +95,64 @@ __device__ __forceinline__ int warps_per_pair(int num_pairs) {
     return w == 2 ? 1 : w;
 }
 
-// Every block calls this last. The last block to finish publishes the status and, after a receive half,
-// advances the set's epoch (every block has read it by then: each read it first) and tells every rank that this
-// call's messages on the set have been read (the release orders every block's reads before it).
+// Tells every rank (relaxed stores) that this rank has read what the set brought it in call `epoch`.
+__device__ __forceinline__ void send_acks(const PeersTable* peers, const LowLatencyLayout& lay, int epoch,
+                                          int force_puts) {
+    uint64_t* word = lay.acks + peers->rank;
+    const uint64_t ack = epoch_signal(epoch, 0u);
+    for (int pe = 0; pe < peers->num_ranks; ++pe) {
+        uint64_t* remote = force_puts ? nullptr : on_peer(peers, word, pe);
+        if (remote != nullptr)
+            ptx::st_relaxed_sys_u64(remote, ack);
+        else
+            nvshmemx_signal_op(word, ack, NVSHMEM_SIGNAL_SET, pe);
+    }
+}
+
+// Every block calls this last. The last block to finish (the call word counts them) resets the word and
+// publishes the status bits the blocks ORed into it; after a receive half it advances the set's epoch (every
+// block has read it by then: each read it first, and its count is a release) and acks the call to every rank:
+//  - a dispatch leaves its acks to the next kernel (send_deferred_acks): its reads of the set are over when it
+//    ends, so they need no system-scope fence, and the kernel's end waits for no ack to land. The next call on
+//    the set (or even the same dispatch replayed from a graph) stages its first token while they fly;
+//  - a combine acks at once, behind one system-scope fence: a combine's send half waits for the acks first
+//    thing, so a combine replayed alone would wait for its predecessor's deferred acks to be sent and to land.
 __device__ __forceinline__ void finish_call(const PeersTable* peers, const LowLatencyLayout& lay,
-                                            LowLatencySync* sync, int set, bool receive_half, int epoch,
-                                            int force_puts, int* host_status, uint64_t* timeline) {
+                                            LowLatencySync* sync, int set, bool receive_half, bool defer_acks,
+                                            int epoch, int force_puts, int* host_status, uint64_t* timeline) {
     __syncthreads();
     timeline_mark(timeline, kAtEnd);
     if (threadIdx.x != 0) return;
-    ptx::fence_acq_rel_gpu();
-    if (atomicAdd(&sync->done[set], 1) != static_cast<int>(gridDim.x) - 1) return;
-    ptx::fence_acq_rel_gpu();
-    sync->done[set] = 0;
+    const int word = ptx::atom_add_acq_rel_gpu_s32(&sync->call[set], 1);
+    if ((word & ((1 << kCallBlockBits) - 1)) != static_cast<int>(gridDim.x) - 1) return;
+    sync->call[set] = 0;
     if (receive_half) {
         sync->epoch[set] = epoch;
-        uint64_t* word = lay.acks + peers->rank;
-        const uint64_t ack = epoch_signal(epoch, 0u);
-        ptx::fence_acq_rel_sys();  // one fence, then relaxed stores: a release to every rank at the price of one
-        for (int pe = 0; pe < peers->num_ranks; ++pe) {
-            uint64_t* remote = force_puts ? nullptr : on_peer(peers, word, pe);
-            if (remote != nullptr)
-                ptx::st_relaxed_sys_u64(remote, ack);
-            else
-                nvshmemx_signal_op(word, ack, NVSHMEM_SIGNAL_SET, pe);
+        if (defer_acks) {
+            sync->unacked[set] = epoch;
+        } else {
+            ptx::fence_acq_rel_sys();  // one fence, then relaxed stores: a release to every rank at the price of one
+            send_acks(peers, lay, epoch, force_puts);
         }
     }
-    const int status = atomicExch(&sync->status, 0);
+    const int status = word >> kCallBlockBits;
     if (status != 0) ptx::st_release_sys_s32(host_status, ptx::ld_volatile_s32(host_status) | status);
+}
+
+// Sends the acks the last dispatch receive on each set left (finish_call), from one thread of the grid's last
+// block at the start of the next low-latency kernel on this stream. That kernel runs before any peer can need
+// them: a peer's next call on the set follows its call in between, whose receive needs this rank's send of it.
+__device__ __forceinline__ void send_deferred_acks(const PeersTable* peers, LowLatencySync* sync, int num_experts,
+                                                   int max_tokens, int hidden, int force_puts) {
+    if (blockIdx.x != gridDim.x - 1 || threadIdx.x != blockDim.x - 32) return;
+    const uint64_t unacked = *reinterpret_cast<volatile uint64_t*>(sync->unacked);  // both sets, one load
+    for (int set = 0; set < 2; ++set) {
+        const int epoch = static_cast<int>(static_cast<uint32_t>(unacked >> (32 * set)));
+        if (epoch == 0) continue;
+        sync->unacked[set] = 0;
+        send_acks(peers, LowLatencyLayout(peers->sym_base, set, peers->num_ranks, num_experts, max_tokens, hidden),
+                  epoch, force_puts);
+    }
 }
 
 // Before a send half writes into any rank's copy of the set: every rank has read the set's previous call.
@@ -134,9 +171,9 @@ __device__ __forceinline__ void wait_for_acks(const PeersTable* peers, const Low
 // The host sizes the heap with its mirror of LowLatencyLayout; if the two ever disagree, do nothing rather than
 // write past the allocation (the host reports the bit; peers waiting on this rank time out naming it).
 __device__ __forceinline__ bool layout_fits(const PeersTable* peers, const LowLatencyLayout& lay,
-                                            LowLatencySync* sync) {
+                                            int32_t* call_word) {
     if (2 * lay.set_bytes <= peers->sym_bytes) return true;
-    if (threadIdx.x == 0) atomicOr(&sync->status, kLowLatencyLayoutTooBig);
+    if (threadIdx.x == 0) report_status(call_word, kLowLatencyLayoutTooBig);
     return false;
 }
 
@@ -210,14 +247,14 @@ __device__ __forceinline__ void send_to_rank(const PeersTable* peers, const LowL
                                             const int* topk_experts, const int* slots, const int4* payload,
                                             int payload_int4, int t, int w, int num_topk, int num_local,
                                             int max_tokens, int meta, int epoch, int force_puts,
-                                            LowLatencySync* sync, int lane) {
+                                            int32_t* call_word, int lane) {
     const int* experts = topk_experts + t * num_topk;
     const int dst = nth_rank(experts, num_topk, num_local, w, lane);
     if (dst < 0) return;
     const int expert = lane < num_topk ? experts[lane] : -1;
     const bool on_dst = expert >= 0 && expert / num_local == dst;
     const int slot = on_dst ? slots[lane] : 0;
-    if (on_dst && slot >= max_tokens) atomicOr(&sync->status, kLowLatencySlotOverflow);
+    if (on_dst && slot >= max_tokens) report_status(call_word, kLowLatencySlotOverflow);
     const bool entry = on_dst && slot < max_tokens;
     const unsigned entries = __ballot_sync(0xffffffffu, entry);
     if (entries == 0) return;
@@ -318,7 +355,9 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
     int* pair_count = topk_experts + num_tokens * num_topk;
     int* pair_begin = pair_count + num_local * num_ranks;
     int32_t* expert_sent = expert_sent_counters(sync);
-    if (!layout_fits(peers, lay, sync)) phases = 0;
+    int32_t* call_word = &sync->call[set];
+    if (!layout_fits(peers, lay, call_word)) phases = 0;
+    if (phases != 0) send_deferred_acks(peers, sync, num_experts, max_tokens, hidden, force_puts);
     timeline_start(timeline, kAtStart);
 
     if (phases & kPhaseSend) {
@@ -330,7 +369,7 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
             topk_experts[j] = e >= 0 && e < num_experts ? static_cast<int>(e) : -1;
         }
         if (__syncthreads_or(invalid) && blockIdx.x == 0 && threadIdx.x == 0)
-            atomicOr(&sync->status, kLowLatencyInvalidIds);
+            report_status(call_word, kLowLatencyInvalidIds);
         const bool puts = needs_puts(peers, force_puts);
         // Warps 0..K-1 send; the others stage the next token meanwhile (its payload and its K slots), into the
         // other of two buffers, so one __syncthreads a token suffices (it also tells the senders the next token
@@ -363,7 +402,7 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
             }
             if (warp < num_topk)
                 send_to_rank(peers, lay, topk_experts, token_slots[i_token & 1], payload, payload_int4, t, warp,
-                             num_topk, num_local, max_tokens, meta, epoch, force_puts, sync, lane);
+                             num_topk, num_local, max_tokens, meta, epoch, force_puts, call_word, lane);
         }
         if (i_token == 0) {  // a block without tokens still writes counts into the peers' set
             wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)");
@@ -472,7 +511,7 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
             // A peer called with other sizes (or a corrupt header): its entries could point anywhere; skip it.
             const bool sane = lane >= n || (e >= 0 && e < num_local && slot >= 0 && slot < max_tokens);
             if (!__all_sync(0xffffffffu, sane) || seen_meta != meta || n < 1 || n > kLowLatencyMaxTopk) {
-                if (lane == 0) atomicOr(&sync->status, kLowLatencyMetaMismatch);
+                if (lane == 0) report_status(call_word, kLowLatencyMetaMismatch);
                 continue;
             }
             int64_t row = 0;
@@ -486,7 +525,7 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
         }
         timeline_mark(timeline, kAtReceived);
     }
-    finish_call(peers, lay, sync, set, (phases & kPhaseRecv) != 0, epoch, force_puts, host_status, timeline);
+    finish_call(peers, lay, sync, set, (phases & kPhaseRecv) != 0, true, epoch, force_puts, host_status, timeline);
 }
 
 // ---------------------------------------------------------------------------------------------------- combine
@@ -501,7 +540,9 @@ ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const in
     const int epoch = ptx::ld_volatile_s32(&sync->epoch[set]) + 1;
     const LowLatencyLayout lay(peers->sym_base, set, num_ranks, num_experts, max_tokens, hidden);
     const int row_int4 = hidden / 8;
-    if (!layout_fits(peers, lay, sync)) phases = 0;
+    int32_t* call_word = &sync->call[set];
+    if (!layout_fits(peers, lay, call_word)) phases = 0;
+    if (phases != 0) send_deferred_acks(peers, sync, num_experts, max_tokens, hidden, force_puts);
     timeline_start(timeline, kAtStart);
 
     if (phases & kPhaseSend) {
@@ -566,7 +607,7 @@ ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const in
                 const int64_t expert = __ldg(topk_idx + j);
                 slot_valid[threadIdx.x] = expert >= 0 && expert < num_experts;
                 slot_weight[threadIdx.x] = __ldg(topk_weights + j);
-                if (expert < -1 || expert >= num_experts) atomicOr(&sync->status, kLowLatencyInvalidIds);
+                if (expert < -1 || expert >= num_experts) report_status(call_word, kLowLatencyInvalidIds);
             }
             __syncthreads();
             for (int i = static_cast<int>(threadIdx.x); i < row_int4; i += kLowLatencyThreads) {
@@ -594,7 +635,7 @@ ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const in
         }
         timeline_mark(timeline, kAtReceived);
     }
-    finish_call(peers, lay, sync, set, (phases & kPhaseRecv) != 0, epoch, force_puts, host_status, timeline);
+    finish_call(peers, lay, sync, set, (phases & kPhaseRecv) != 0, false, epoch, force_puts, host_status, timeline);
 }
 
 }  // namespace epjit

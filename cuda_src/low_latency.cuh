@@ -7,7 +7,8 @@
 //   counts          uint64 [L][R src]           dispatch: (epoch << 32) | (uint32)-(n+1), n = rows src sent to l
 //   flags           uint64 [E]                  combine: (epoch << 32) | 1, from the owner of expert g
 //   acks            uint64 [R]                  epoch << 32: rank r has read everything this set brought it in
-//                                               that call; a sender waits for it before the set's next call
+//                                               that call (after a dispatch, sent by r's next low-latency
+//                                               kernel); a sender waits for it before the set's next call
 //   dispatch slots  [R src][M] x msg            one message per (source token, destination rank): header + payload
 //   combine slots   [M][kLowLatencyMaxTopk] x 2H   expert output for (token, k), at the token's home rank
 //   staging         [M] x msg + [M][R] x header   what NVSHMEM puts read (only where no NVLink pointer)
@@ -101,14 +102,14 @@ __device__ __forceinline__ T* on_peer(const PeersTable* peers, T* mine, int pe) 
     return reinterpret_cast<T*>(peer_base + (reinterpret_cast<char*>(mine) - static_cast<char*>(peers->sym_base)));
 }
 
-// Per-Buffer device words (plain device memory, zeroed at creation): the epoch of each set, the blocks of the
-// running call that have finished (the last one advances the epoch), the status bits the host reads,
-// then the dispatch's per-expert sent counters.
+// Per-Buffer device words (plain device memory, zeroed at creation), per set: the epoch; the running call's
+// word (its finished blocks in the low 16 bits, the last one advances the epoch; its status bits above, for the
+// host); the epoch of a receive whose acks the next kernel sends. Then the dispatch's per-expert sent counters.
 struct LowLatencySync {
     int32_t epoch[2];
-    int32_t done[2];
-    int32_t status;
-    int32_t pad[3];
+    int32_t call[2];
+    int32_t unacked[2];
+    int32_t pad[2];
     // Followed by int32 expert_sent[num_experts] (dispatch: messages of the running call sent to each expert;
     // its count-sender zeroes it once the count is out, so every call starts from zero).
 };

@@ -103,6 +103,11 @@ __device__ __forceinline__ int atom_add_acq_rel_sys_s32(int* p, int v) {
     asm volatile("atom.acq_rel.sys.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
     return old;
 }
+__device__ __forceinline__ int atom_add_acq_rel_gpu_s32(int* p, int v) {
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
 __device__ __forceinline__ int atom_cas_acq_rel_sys_s32(int* p, int expected, int desired) {
     int old;
     asm volatile("atom.acq_rel.sys.global.cas.b32 %0, [%1], %2, %3;"
