@@ -77,6 +77,7 @@ _RATE_HISTORY = 32  # dispatches whose received rows per token size the next one
 # the call that last wrote it has been reported, so a later call can neither overwrite an unreported refusal nor
 # take an earlier call's counts for its own; a host this many calls ahead waits for the oldest.
 _HOST_RECORDS = 64
+_HOST_RECORD_BYTES = 4096  # each record's share of the one pinned allocation (more experts: a record of its own)
 _POISON_BYTE = 0x7F  # NaN in bf16 pairs (0x7F7F), NaN in e4m3, a huge int: never a plausible value
 
 
@@ -477,6 +478,7 @@ class Buffer:
         self._device = cupy.cuda.Device(group.device)
         self.mem = PeerMemory.create(group, self.num_nvl_bytes, self.num_rdma_bytes)
         self._host_records: list[MappedHostArray | None] = [None] * _HOST_RECORDS  # see _HOST_RECORDS
+        self._record_pool: MappedHostArray | None = None  # the records' memory, one allocation (made with them)
         self._host_record_calls = [-1] * _HOST_RECORDS  # the dispatch (numbered from 0) that last used each
         self._host_calls = 0
         # The record of every dispatch captured in a CUDA graph: replays write it whenever they run, the host never
@@ -498,6 +500,9 @@ class Buffer:
             self._dispatch_retries = 0  # dispatches run again because their outputs were too small (tests read it)
             if self.num_nvl_bytes:
                 self._graph_record = MappedHostArray(self._host_record_bytes(max(self.num_experts, 4096)))
+                # One cudaHostAlloc for the 64 records, not one in each of the first 64 dispatches.
+                self._record_pool = MappedHostArray(_HOST_RECORDS * _HOST_RECORD_BYTES)
+                self._host_records[:] = self._record_pool.parts(_HOST_RECORD_BYTES)
                 self._layout_module = jit.load(LayoutSpec(), group.device)
                 self._notify_module = jit.load(IntranodeNotifySpec(self.num_ranks), group.device)
                 self._main_module = jit.load(IntranodeSpec(self.num_ranks, NUM_THREADS), group.device)
@@ -507,8 +512,9 @@ class Buffer:
         except BaseException:
             if self._ll is not None:
                 self._ll.close()
-            if self._graph_record is not None:
-                self._graph_record.close()
+            for record in (self._graph_record, self._record_pool):
+                if record is not None:
+                    record.close()
             self.mem.close()
             raise
         self._closed = False
@@ -548,9 +554,9 @@ class Buffer:
             except ArgumentError as e:
                 refusal = e
         finally:
-            for record in (*self._host_records, self._graph_record):
+            for record in (*self._host_records, self._graph_record, self._record_pool):
                 if record is not None:
-                    record.close()
+                    record.close()  # a pooled record's does nothing; the pool's, last, frees them all
             if self._ll is not None:
                 self._ll.close()
             self.mem.close()

@@ -72,12 +72,29 @@ class MappedHostArray:
     def view(self, dtype: Any) -> np.ndarray:
         return self.bytes.view(dtype)
 
+    def parts(self, num_bytes: int) -> list[MappedHostPart]:
+        """The array cut into whole pieces of num_bytes, each read and written like an array of its own; this
+        array keeps the memory (closing a piece does nothing), so many small records cost one allocation."""
+        return [MappedHostPart(self, offset, num_bytes)
+                for offset in range(0, self.num_bytes - num_bytes + 1, num_bytes)]
+
     def close(self) -> None:
         if self._host:
             import cupy
 
             cupy.cuda.runtime.freeHost(self._host)
             self._host = 0
+
+
+class MappedHostPart(MappedHostArray):
+    """num_bytes of a MappedHostArray from offset: the same reading, device pointer and lifetime as the whole."""
+
+    def __init__(self, whole: MappedHostArray, offset: int, num_bytes: int) -> None:
+        self.num_bytes = int(num_bytes)
+        self._host = 0  # nothing of its own to free
+        self.device_ptr = whole.device_ptr + offset
+        self.bytes = whole.bytes[offset:offset + self.num_bytes]
+        self.ints = self.bytes[: self.num_bytes // 4 * 4].view(np.int32)
 
 
 class WaitRecord(MappedHostArray):

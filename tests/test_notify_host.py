@@ -111,7 +111,7 @@ def _records_buffer(monkeypatch: pytest.MonkeyPatch) -> Buffer:
     buf = object.__new__(Buffer)  # only the host-record state: no group, no GPU
     buf.num_ranks, buf.num_nvl_bytes = 2, 1 << 20
     buf._host_records, buf._host_record_calls = [None] * b._HOST_RECORDS, [-1] * b._HOST_RECORDS
-    buf._host_calls, buf._pending, buf._graph_record = 0, collections.deque(), None
+    buf._host_calls, buf._pending, buf._graph_record, buf._record_pool = 0, collections.deque(), None, None
     return buf
 
 
@@ -219,3 +219,17 @@ def test_synchronize_and_close_raise_what_a_low_latency_kernel_found_once(monkey
     with pytest.raises(ArgumentError, match="num_max_dispatch_tokens_per_rank=8 slots"):
         buf.close()
     assert released == ["ll", "peer memory"]
+
+
+def test_pooled_records_share_one_allocation_and_close_with_it():
+    from epjit.memory import MappedHostArray
+
+    whole = object.__new__(MappedHostArray)  # cudaHostAlloc's part done by hand: 3.5 records of 4 KB
+    whole.num_bytes, whole._host, whole.device_ptr = 14336, 0, 1 << 40
+    whole.bytes = np.zeros(whole.num_bytes, dtype=np.uint8)
+    parts = whole.parts(4096)
+    assert [p.device_ptr - whole.device_ptr for p in parts] == [0, 4096, 8192]  # no part past the end
+    parts[1].ints[0] = 7  # notify writing the second record is seen in the allocation, and only there
+    assert whole.bytes[4096:4100].view(np.int32)[0] == 7 and parts[0].ints[0] == parts[2].ints[0] == 0
+    parts[1].close()  # a part frees nothing (the Buffer closes the whole last)
+    assert parts[1].ints[0] == 7 and parts[1].num_bytes == 4096
