@@ -577,8 +577,11 @@ ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const in
                 uint64_t* word = lay.flags + static_cast<int64_t>(me) * num_local + e;
                 const uint64_t signal = epoch_signal(epoch, 1u);
                 if (direct) {
+                    // One system-scope fence (the bar.sync put the group's rows before it), then a relaxed store:
+                    // a release store after it would fence again, and the peer's address is loaded before both.
+                    uint64_t* remote = on_peer(peers, word, home);
                     ptx::fence_acq_rel_sys();
-                    ptx::st_release_sys_u64(on_peer(peers, word, home), signal);
+                    ptx::st_relaxed_sys_u64(remote, signal);
                 } else {
                     nvshmemx_signal_op(word, signal, NVSHMEM_SIGNAL_SET, home);
                 }
