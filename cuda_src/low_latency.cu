@@ -95,16 +95,23 @@ __device__ __forceinline__ int warps_per_pair(int num_pairs) {
     return w == 2 ? 1 : w;
 }
 
-// Tells every rank (relaxed stores) that this rank has read what the set brought it in call `epoch`.
+// Tells every rank (relaxed stores) that this rank has read what the set brought it in call `epoch`; the whole
+// warp, lane i to ranks i, i + 32, ...: the peers' addresses load together, and with `fence` before a single
+// system-scope fence (a load behind it would wait for it, then take a round trip of its own).
 __device__ __forceinline__ void send_acks(const PeersTable* peers, const LowLatencyLayout& lay, int epoch,
-                                          int force_puts) {
+                                          int force_puts, bool fence, int lane) {
     uint64_t* word = lay.acks + peers->rank;
     const uint64_t ack = epoch_signal(epoch, 0u);
-    for (int pe = 0; pe < peers->num_ranks; ++pe) {
-        uint64_t* remote = force_puts ? nullptr : on_peer(peers, word, pe);
+    for (int base = 0; base < peers->num_ranks; base += 32) {
+        const int pe = base + lane;
+        uint64_t* remote = force_puts || pe >= peers->num_ranks ? nullptr : on_peer(peers, word, pe);
+        if (fence && base == 0) {
+            __syncwarp();
+            ptx::fence_acq_rel_sys();
+        }
         if (remote != nullptr)
             ptx::st_relaxed_sys_u64(remote, ack);
-        else
+        else if (pe < peers->num_ranks)
             nvshmemx_signal_op(word, ack, NVSHMEM_SIGNAL_SET, pe);
     }
 }
@@ -122,36 +129,37 @@ __device__ __forceinline__ void finish_call(const PeersTable* peers, const LowLa
                                             int epoch, int force_puts, int* host_status, uint64_t* timeline) {
     __syncthreads();
     timeline_mark(timeline, kAtEnd);
-    if (threadIdx.x != 0) return;
-    const int word = ptx::atom_add_acq_rel_gpu_s32(&sync->call[set], 1);
+    if (threadIdx.x >= 32) return;  // warp 0: thread 0 counts the block, the warp acks
+    const int lane = static_cast<int>(threadIdx.x);
+    int word = 0;
+    if (lane == 0) word = ptx::atom_add_acq_rel_gpu_s32(&sync->call[set], 1);
+    word = __shfl_sync(0xffffffffu, word, 0);
     if ((word & ((1 << kCallBlockBits) - 1)) != static_cast<int>(gridDim.x) - 1) return;
+    if (receive_half && !defer_acks) send_acks(peers, lay, epoch, force_puts, true, lane);
+    if (lane != 0) return;
     sync->call[set] = 0;
     if (receive_half) {
         sync->epoch[set] = epoch;
-        if (defer_acks) {
-            sync->unacked[set] = epoch;
-        } else {
-            ptx::fence_acq_rel_sys();  // one fence, then relaxed stores: a release to every rank at the price of one
-            send_acks(peers, lay, epoch, force_puts);
-        }
+        if (defer_acks) sync->unacked[set] = epoch;
     }
     const int status = word >> kCallBlockBits;
     if (status != 0) ptx::st_release_sys_s32(host_status, ptx::ld_volatile_s32(host_status) | status);
 }
 
-// Sends the acks the last dispatch receive on each set left (finish_call), from one thread of the grid's last
+// Sends the acks the last dispatch receive on each set left (finish_call), from the last warp of the grid's last
 // block at the start of the next low-latency kernel on this stream. That kernel runs before any peer can need
 // them: a peer's next call on the set follows its call in between, whose receive needs this rank's send of it.
 __device__ __forceinline__ void send_deferred_acks(const PeersTable* peers, LowLatencySync* sync, int num_experts,
                                                    int max_tokens, int hidden, int force_puts) {
-    if (blockIdx.x != gridDim.x - 1 || threadIdx.x != blockDim.x - 32) return;
+    if (blockIdx.x != gridDim.x - 1 || static_cast<int>(threadIdx.x) / 32 != kLowLatencyWarps - 1) return;
+    const int lane = static_cast<int>(threadIdx.x) % 32;
     const uint64_t unacked = *reinterpret_cast<volatile uint64_t*>(sync->unacked);  // both sets, one load
     for (int set = 0; set < 2; ++set) {
         const int epoch = static_cast<int>(static_cast<uint32_t>(unacked >> (32 * set)));
         if (epoch == 0) continue;
-        sync->unacked[set] = 0;
+        if (lane == 0) sync->unacked[set] = 0;
         send_acks(peers, LowLatencyLayout(peers->sym_base, set, peers->num_ranks, num_experts, max_tokens, hidden),
-                  epoch, force_puts);
+                  epoch, force_puts, false, lane);
     }
 }
 
