@@ -87,7 +87,9 @@ struct IntranodeLayout {
     __device__ int4* x_slot(int q, int slot) const {
         return reinterpret_cast<int4*>(ring_x + (static_cast<int64_t>(q) * num_slots + slot) * row_bytes);
     }
-    __device__ int32_t* src_slot(int q, int slot) const { return ring_src + static_cast<int64_t>(q) * num_slots + slot; }
+    __device__ int32_t* src_slot(int q, int slot) const {
+        return ring_src + static_cast<int64_t>(q) * num_slots + slot;
+    }
     __device__ int32_t* topk_idx_slot(int q, int slot) const {
         return ring_topk_idx + (static_cast<int64_t>(q) * num_slots + slot) * num_topk;
     }

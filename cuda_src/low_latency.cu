@@ -485,7 +485,8 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
             for (int src = 0; src < num_ranks; ++src) {
                 const int pair = e * num_ranks + src, n = pair_count[pair];
                 pair_begin[pair] = begin;
-                if (blockIdx.x == 0) layout_range[pair] = (static_cast<int64_t>(begin) << 32) | static_cast<uint32_t>(n);
+                if (blockIdx.x == 0)
+                    layout_range[pair] = (static_cast<int64_t>(begin) << 32) | static_cast<uint32_t>(n);
                 begin += n;
             }
             if (blockIdx.x == 0) {

@@ -56,7 +56,8 @@ __global__ void put_signal_check(const PeersTable* peers, int round, int num_int
     __syncthreads();
     const int* in = sym_local<int>(peers, inbox + pe * row_bytes);
     int bad = 0;
-    for (int i = threadIdx.x; i < num_ints; i += blockDim.x) bad += ptx::ld_volatile_s32(in + i) != check_pattern(round, pe, me, i);
+    for (int i = threadIdx.x; i < num_ints; i += blockDim.x)
+        bad += ptx::ld_volatile_s32(in + i) != check_pattern(round, pe, me, i);
     if (bad) atomicAdd(errors, bad);
     if constexpr (!kDirect) {
         // The nbi put's source (our outbox) must not be reused before the transfer completed.
