@@ -77,7 +77,7 @@ _RATE_HISTORY = 32  # dispatches whose received rows per token size the next one
 # the call that last wrote it has been reported, so a later call can neither overwrite an unreported refusal nor
 # take an earlier call's counts for its own; a host this many calls ahead waits for the oldest.
 _HOST_RECORDS = 64
-_HOST_RECORD_BYTES = 4096  # each record's share of the one pinned allocation (more experts: a record of its own)
+_HOST_RECORD_BYTES = 4096  # a record's least size and its share of the pool (more experts: a record of its own)
 _POISON_BYTE = 0x7F  # NaN in bf16 pairs (0x7F7F), NaN in e4m3, a huge int: never a plausible value
 
 
@@ -595,7 +595,7 @@ class Buffer:
                                        "one (Buffer.get_normal_size_hint)"))
 
     def _host_record_bytes(self, num_experts: int) -> int:
-        return max(4 * (2 + (META_INTS + 1) * self.num_ranks + num_experts // self.num_ranks), 4096)
+        return max(4 * (2 + (META_INTS + 1) * self.num_ranks + num_experts // self.num_ranks), _HOST_RECORD_BYTES)
 
     def _host_record(self, num_experts: int, captured: bool = False) -> tuple[MappedHostArray, int]:
         """The host record notify fills for this dispatch, and the call's number (-1 for a captured one)."""
