@@ -230,7 +230,7 @@ def _nvshmem_finalize() -> None:
 
 
 class SymmetricHeap:
-    """One NVSHMEM symmetric allocation of ``num_bytes`` (zeroed), with its peer pointers and node teams."""
+    """One NVSHMEM symmetric allocation of ``num_bytes`` (zeroed), with its peer pointers."""
 
     def __init__(self, group: Group, num_bytes: int) -> None:
         import cupy
@@ -242,7 +242,6 @@ class SymmetricHeap:
 
         _nvshmem_state["users"] += 1
         self.base = 0
-        self.node_team = self.cross_team = None
         try:
             self.base = int(nvshmem_bindings.malloc(self.num_bytes))  # collective
             if self.base == 0:
@@ -252,36 +251,23 @@ class SymmetricHeap:
             cupy.cuda.runtime.deviceSynchronize()
             # nvshmem_ptr gives a load/store pointer where the PE is reachable over NVLink (P2P), else NULL.
             self.peer_ptrs = [int(nvshmem_bindings.ptr(self.base, pe)) for pe in range(group.size)]
-            self._split_teams(nvshmem_bindings)
             nvshmem_bindings.barrier_all()
         except BaseException:
             self.close()
             raise
-
-    def _split_teams(self, nb: Any) -> None:
-        # One 2-D split of the world: x = the ranks of my NVLink node, y = the ranks of my NVLink index on
-        # every node (the "RDMA" team internode kernels talk over).
-        teams = np.full(2, -1, dtype=np.int32)
-        nb.team_split_2d(int(nb.Team_id.TEAM_WORLD), self.group.num_nvl_ranks,
-                         0, 0, teams.ctypes.data, 0, 0, teams.ctypes.data + 4)
-        self.node_team, self.cross_team = int(teams[0]), int(teams[1])
 
     @property
     def has_direct_peers(self) -> bool:
         return all(p != 0 for p in self.peer_ptrs)
 
     def close(self) -> None:
-        """Collective: frees the allocation and the teams; the last heap of the process finalises NVSHMEM."""
+        """Collective: frees the allocation; the last heap of the process finalises NVSHMEM."""
         if not _nvshmem_state["initialised"]:
             return
         import cupy
         from nvshmem import bindings as nvshmem_bindings
 
         cupy.cuda.runtime.deviceSynchronize()
-        for team in (self.node_team, self.cross_team):
-            if team is not None and team >= 0:
-                nvshmem_bindings.team_destroy(team)
-        self.node_team = self.cross_team = None
         if self.base:
             nvshmem_bindings.free(self.base)  # collective
             self.base = 0
