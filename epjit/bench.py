@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .config import Config, get_combine_config, get_dispatch_config
+from .env import settings
 from .kernels.low_latency import deepep_low_latency_size_hint
 
 PLAIN_STORE_CEILING_GBS = 345.0  # DESIGN.md, 4 x H200, 16-byte stores from all SMs, all ranks to all peers
@@ -581,6 +582,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.repeat < 20:
         parser.error("--repeat must be >= 20 (DESIGN.md's protocol)")
+    if settings().share_gpus:
+        parser.error("EPJIT_SHARE_GPUS is set: ranks sharing a GPU are time-sliced, so their timings mean nothing "
+                     "(and NCCL refuses two ranks on one GPU)")
     start = time.time()
     if args.profile:
         os.environ["EPJIT_PROFILE"] = "1"

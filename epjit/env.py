@@ -42,6 +42,7 @@ class Settings:
     collective_timeout_s: float | None = None
     ll_force_puts: bool = False
     ll_num_sms: int = 0
+    share_gpus: bool = False
 
 
 def settings() -> Settings:
@@ -69,6 +70,10 @@ def settings() -> Settings:
         ll_force_puts=os.environ.get("EPJIT_LL_FORCE_PUTS", "0") not in ("", "0"),
         # Blocks (one per SM) of a low-latency kernel; 0: min(SMs, 128). For tuning sweeps.
         ll_num_sms=int(_float("EPJIT_LL_NUM_SMS", 0)),
+        # Tests only: run more ranks on a host than it has GPUs, rank i on GPU local_rank % GPUs (4 ranks on a
+        # 2-GPU machine). Ranks sharing a GPU are time-sliced by the driver: their results are correct, their
+        # timings mean nothing.
+        share_gpus=os.environ.get("EPJIT_SHARE_GPUS", "0") not in ("", "0"),
     )
 
 

@@ -572,6 +572,7 @@ class _RankInfo:
     gpu_note: str | None  # why it sees none
     driver: bool  # an NVIDIA kernel driver is loaded on this host
     visible_devices: str | None  # CUDA_VISIBLE_DEVICES
+    share_gpus: bool = False  # EPJIT_SHARE_GPUS (tests only): more local ranks than GPUs allowed
 
 
 def _visible_gpus() -> tuple[int, str | None]:
@@ -659,6 +660,10 @@ def _gpu_plan(infos: list[_RankInfo], bind: bool | None, node_of: list[int]) -> 
             # A wrapper gave each local rank its own GPU through CUDA_VISIBLE_DEVICES: each uses its ordinal 0.
             for r in ranks:
                 plan[r] = 0
+        elif all(infos[r].share_gpus for r in ranks):
+            # Tests only: ranks share the GPUs round robin; their kernels are time-sliced (correctness, not speed).
+            for r in ranks:
+                plan[r] = infos[r].local_rank % min(counts)
         else:
             seen = f" (CUDA_VISIBLE_DEVICES={cvds[0]})" if cvds[0] is not None else ""
             problems.append(f"{local} local ranks but only {min(counts)} GPU(s) on host {host}{seen}")
@@ -717,6 +722,7 @@ def _setup(
         gpu_note=note,
         driver=os.path.exists(_DRIVER_FILE),
         visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
+        share_gpus=env.settings().share_gpus,
     )
     try:
         infos: list[_RankInfo] = [pickle.loads(cast(bytes, b)) for b in transport.allgather(pickle.dumps(mine))]

@@ -36,6 +36,25 @@ def require_gpus(n: int) -> None:
         pytest.skip(f"needs {n} GPUs, this machine has {_GPUS}")
 
 
+# The rank counts of the multi-rank tests. "4-on-2-gpus" runs the 4-rank case where the machine has 2 or 3 GPUs,
+# two ranks a GPU (EPJIT_SHARE_GPUS; the driver time-slices their kernels): it checks the 4-rank code paths (prefix
+# sums over 4 sources, acks to 3 peers, 4-way barriers) on the 2-GPU machines. Only the "4" case, one rank a GPU,
+# proves them on NVLink as users run them, and only it may be reported as a 4-GPU run.
+RANKS = [pytest.param(2, False, id="2"), pytest.param(4, False, id="4"), pytest.param(4, True, id="4-on-2-gpus")]
+
+
+def placement(n: int, shared: bool) -> dict[str, str]:
+    """Skip unless this machine can run `n` ranks as asked; the environment that places them."""
+    if not shared:
+        require_gpus(n)
+        return {}
+    require_gpus(2)
+    assert _GPUS is not None
+    if _GPUS >= n:
+        pytest.skip(f"{_GPUS} GPUs here: the {n}-rank case runs one rank a GPU")
+    return {"EPJIT_SHARE_GPUS": "1"}
+
+
 def mpirun() -> str | None:
     return shutil.which("mpirun") or shutil.which("mpiexec")
 
@@ -56,7 +75,7 @@ def run_ranks(launcher: str, n: int, script: str, *args: str, env: dict[str, str
                                                                 text=True).stdout.lower()):
             cmd.append("--allow-run-as-root")
         for var in ("PYTHONPATH", "PYTHONUNBUFFERED", "NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE", "EPJIT_TIMEOUT_S",
-                    "EPJIT_CACHE_DIR", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
+                    "EPJIT_CACHE_DIR", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "EPJIT_SHARE_GPUS"):
             if var in full_env and "mpich" not in cmd[0]:
                 cmd += ["-x", var]
         cmd += [sys.executable, script, *args]

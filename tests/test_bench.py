@@ -19,6 +19,14 @@ def test_fewer_than_twenty_repeats_are_refused(capsys):
     assert "--repeat must be >= 20" in capsys.readouterr().err
 
 
+def test_ranks_sharing_gpus_are_not_timed(capsys, monkeypatch):
+    monkeypatch.setenv("EPJIT_SHARE_GPUS", "1")
+    with pytest.raises(SystemExit) as e:
+        bench.main([])
+    assert e.value.code == 2
+    assert "time-sliced, so their timings mean nothing" in capsys.readouterr().err
+
+
 def test_help_names_every_mode():
     out = subprocess.run([sys.executable, "-m", "epjit.bench", "--help"], capture_output=True, text=True,
                          timeout=120)

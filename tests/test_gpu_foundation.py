@@ -7,17 +7,16 @@ import time
 
 import pytest
 
-from .gpu import require_gpus, run_ranks
+from .gpu import RANKS, placement, require_gpus, run_ranks
 
 pytestmark = pytest.mark.gpu
 SCRIPT = "tests/ranks/peer_memory.py"
 
 
 @pytest.mark.parametrize("launcher", ["launch", "mpirun"])
-@pytest.mark.parametrize("n", [2, 4])
-def test_barrier_and_nvshmem(n, launcher):
-    require_gpus(n)
-    code, output, results = run_ranks(launcher, n, SCRIPT)
+@pytest.mark.parametrize("n, shared", RANKS)
+def test_barrier_and_nvshmem(n, shared, launcher):
+    code, output, results = run_ranks(launcher, n, SCRIPT, env=placement(n, shared))
     assert code == 0, output[-6000:]
     assert [r["rank"] for r in results] == list(range(n)), output[-4000:]
     for r in results:

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from .gpu import require_gpus, run_ranks
+from .gpu import RANKS, placement, require_gpus, run_ranks
 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_intranode_against_reference(n):
-    require_gpus(n)
+@pytest.mark.parametrize("n, shared", RANKS)
+def test_intranode_against_reference(n, shared):
+    env = placement(n, shared)
     pytest.importorskip("torch")
     code, output, results = run_ranks(
-        "launch", n, "tests/ranks/intranode.py", env={"EPJIT_TIMEOUT_S": "60"}, timeout=500
+        "launch", n, "tests/ranks/intranode.py", env={"EPJIT_TIMEOUT_S": "60", **env}, timeout=500
     )
     assert code == 0, output[-8000:]
     assert len(results) == n, output[-4000:]
@@ -45,12 +45,12 @@ def test_a_rank_that_never_arrives_times_out_naming_it():
     assert "intranode_notify" in output and "waiting for peer rank 1" in output, output[-4000:]
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_worst_token_dispatch_and_combine_in_a_cuda_graph(n):
-    require_gpus(n)
+@pytest.mark.parametrize("n, shared", RANKS)
+def test_worst_token_dispatch_and_combine_in_a_cuda_graph(n, shared):
+    env = placement(n, shared)
     pytest.importorskip("torch")
-    code, output, results = run_ranks("launch", n, "tests/ranks/intranode_graph.py", env={"EPJIT_TIMEOUT_S": "60"},
-                                      timeout=300)
+    code, output, results = run_ranks("launch", n, "tests/ranks/intranode_graph.py",
+                                      env={"EPJIT_TIMEOUT_S": "60", **env}, timeout=300)
     assert code == 0, output[-8000:]
     assert [r["replays"] for r in results] == [5] * n, output[-4000:]
     for r in results:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .gpu import require_gpus, run_ranks
+from .gpu import RANKS, placement, require_gpus, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -32,12 +32,12 @@ def _check(results: list[dict], n: int) -> None:
             assert "outside [-1, num_experts=" in refused["invalid_ids_synchronize"], refused
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_low_latency_against_reference(n):
-    require_gpus(n)
+@pytest.mark.parametrize("n, shared", RANKS)
+def test_low_latency_against_reference(n, shared):
+    env = placement(n, shared)
     pytest.importorskip("torch")
     code, output, results = run_ranks("launch", n, "tests/ranks/low_latency.py",
-                                      env={"EPJIT_TIMEOUT_S": "60"}, timeout=600)
+                                      env={"EPJIT_TIMEOUT_S": "60", **env}, timeout=600)
     assert code == 0, output[-8000:]
     _check(results, n)
     print("\n".join(str(r) for r in results))

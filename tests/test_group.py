@@ -37,8 +37,9 @@ def test_differs_message_lists_every_rank():
     assert "'bf16'" in grp._differs("dtype", ["bf16", "fp8"])
 
 
-def _info(host, local_rank, local_size, gpus=0, note="no CUDA device", node_key=None, driver=False, cvd=None):
-    return grp._RankInfo(host, node_key, local_rank, local_size, None, None, gpus, note, driver, cvd)
+def _info(host, local_rank, local_size, gpus=0, note="no CUDA device", node_key=None, driver=False, cvd=None,
+          share=False):
+    return grp._RankInfo(host, node_key, local_rank, local_size, None, None, gpus, note, driver, cvd, share)
 
 
 def test_topology_numbers_nodes_by_their_lowest_rank():
@@ -79,6 +80,11 @@ def test_gpu_plan():
     # too few
     plan, problem = grp._gpu_plan([_info("h", r, 4, gpus=2, note=None) for r in range(4)], None, four)
     assert plan == [None] * 4 and problem == "4 local ranks but only 2 GPU(s) on host h"
+    # ...unless every rank asks to share them (EPJIT_SHARE_GPUS, the tests' 4 ranks on 2 GPUs): round robin
+    plan, problem = grp._gpu_plan([_info("h", r, 4, gpus=2, note=None, share=True) for r in range(4)], None, four)
+    assert (plan, problem) == ([0, 1, 0, 1], None)
+    infos = [_info("h", r, 4, gpus=2, note=None, share=r != 3) for r in range(4)]
+    assert grp._gpu_plan(infos, None, four)[1] == "4 local ranks but only 2 GPU(s) on host h"
     # a wrapper gave each rank its own GPU through CUDA_VISIBLE_DEVICES
     infos = [_info("h", r, 2, gpus=1, note=None, cvd=str(r)) for r in range(2)]
     assert grp._gpu_plan(infos, None, [0, 0]) == ([0, 0], None)
