@@ -25,8 +25,8 @@
 //                   recv_count and layout_range.
 //   combine send    W warps per (local expert, source): each received row of y goes back to slot (token, k) of
 //                   its home rank; after the last row of the pair, one flag for the expert.
-//   combine recv    wait for the flags of every expert, then each block sums its tokens' top-k slots with the
-//                   gate weights in float32 (k order, as the reference) and writes bf16.
+//   combine recv    each block waits for the flags of its tokens' experts, then sums each token's top-k slots with
+//                   the gate weights in float32 (k order, as the reference) and writes bf16.
 //
 // `phases` selects send, receive or both: with return_recv_hook the host launches the send half now and the
 // receive half when the caller runs the hook, so no SM waits while bytes are in flight.
@@ -71,7 +71,7 @@ enum TimelinePoint {
     kAtStart = 0,      // the block began
     kAtAcks = 1,       // every rank had read this set's previous call
     kAtSent = 2,       // this block's tokens (dispatch) / rows (combine) were written
-    kAtCounted = 3,    // dispatch: thread 0's expert count signalled; combine: every expert's flag arrived
+    kAtCounted = 3,    // dispatch: thread 0's expert count signalled; combine: the flags its tokens need arrived
     kAtCounts = 4,     // dispatch: the counts of thread 0's first (expert, source) pair arrived
     kAtReceived = 5,   // dispatch: this block's received rows copied; combine: its tokens reduced
     kAtEnd = 6,        // every warp of the block finished
@@ -600,10 +600,19 @@ ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const in
     }
 
     if (phases & kPhaseRecv) {
-        for (int expert = static_cast<int>(threadIdx.x); expert < num_experts; expert += kLowLatencyThreads) {
+        // A block waits only for the flags its own tokens' experts raise (a thread a (token, k)), all at once: a
+        // block without tokens waits for nothing, and no flag is polled by all 128 blocks. A flag no token here
+        // needs may land after this call's acks: its peer's next flag on the set comes after it (same word, same
+        // writer) and carries the next epoch.
+        const int block_slots = (num_tokens - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
+                                static_cast<int>(gridDim.x) * num_topk;
+        for (int j = static_cast<int>(threadIdx.x); j < block_slots; j += kLowLatencyThreads) {
+            const int t = static_cast<int>(blockIdx.x) + j / num_topk * static_cast<int>(gridDim.x);
+            const int64_t expert = __ldg(topk_idx + static_cast<int64_t>(t) * num_topk + j % num_topk);
+            if (expert < 0 || expert >= num_experts) continue;
             const uint64_t* word = lay.flags + expert;
-            timeout_while(peers, WaitSite{"ll_combine: rows of expert (channel) from its rank", expert / num_local,
-                                          expert, epoch},
+            timeout_while(peers, WaitSite{"ll_combine: rows of expert (channel) from its rank",
+                                          static_cast<int>(expert) / num_local, static_cast<int>(expert), epoch},
                           [&](int64_t& seen) {
                               seen = signal_epoch(ptx::ld_acquire_sys_u64(word));
                               return seen != epoch;
