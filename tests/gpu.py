@@ -36,11 +36,13 @@ def require_gpus(n: int) -> None:
         pytest.skip(f"needs {n} GPUs, this machine has {_GPUS}")
 
 
-# The rank counts of the multi-rank tests. "4-on-2-gpus" runs the 4-rank case where the machine has 2 or 3 GPUs,
-# two ranks a GPU (EPJIT_SHARE_GPUS; the driver time-slices their kernels): it checks the 4-rank code paths (prefix
-# sums over 4 sources, acks to 3 peers, 4-way barriers) on the 2-GPU machines. Only the "4" case, one rank a GPU,
-# proves them on NVLink as users run them, and only it may be reported as a 4-GPU run.
-RANKS = [pytest.param(2, False, id="2"), pytest.param(4, False, id="4"), pytest.param(4, True, id="4-on-2-gpus")]
+# The rank counts of the multi-rank tests. "4-on-2-gpus" and "8-on-2-gpus" run where the machine has fewer GPUs than
+# ranks (at least 2), two or four ranks a GPU (EPJIT_SHARE_GPUS; the driver time-slices their kernels): they check
+# the 4- and 8-rank code paths (prefix sums over 4 or 8 sources, acks to 3 or 7 peers, 8-way barriers) on the
+# 2-GPU machines, 8 ranks through each script's quick cases. Only the "4" case, one rank a GPU, proves them on
+# NVLink as users run them, and only it may be reported as a 4-GPU run.
+RANKS = [pytest.param(2, False, id="2"), pytest.param(4, False, id="4"), pytest.param(4, True, id="4-on-2-gpus"),
+         pytest.param(8, True, id="8-on-2-gpus")]
 
 
 def placement(n: int, shared: bool) -> dict[str, str]:
@@ -53,6 +55,11 @@ def placement(n: int, shared: bool) -> dict[str, str]:
     if _GPUS >= n:
         pytest.skip(f"{_GPUS} GPUs here: the {n}-rank case runs one rank a GPU")
     return {"EPJIT_SHARE_GPUS": "1"}
+
+
+def quick(n: int, shared: bool) -> tuple[str, ...]:
+    """The rank scripts' arguments: their quick cases where more than two ranks share a GPU (8 on 2 GPUs)."""
+    return ("--quick",) if shared and n > 4 else ()
 
 
 def mpirun() -> str | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .gpu import RANKS, placement, require_gpus, run_ranks
+from .gpu import RANKS, placement, quick, require_gpus, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -14,7 +14,7 @@ def test_intranode_against_reference(n, shared):
     env = placement(n, shared)
     pytest.importorskip("torch")
     code, output, results = run_ranks(
-        "launch", n, "tests/ranks/intranode.py", env={"EPJIT_TIMEOUT_S": "60", **env}, timeout=500
+        "launch", n, "tests/ranks/intranode.py", *quick(n, shared), env={"EPJIT_TIMEOUT_S": "60", **env}, timeout=500
     )
     assert code == 0, output[-8000:]
     assert len(results) == n, output[-4000:]

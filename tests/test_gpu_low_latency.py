@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .gpu import RANKS, placement, require_gpus, run_ranks
+from .gpu import RANKS, placement, quick, require_gpus, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -36,7 +36,7 @@ def _check(results: list[dict], n: int) -> None:
 def test_low_latency_against_reference(n, shared):
     env = placement(n, shared)
     pytest.importorskip("torch")
-    code, output, results = run_ranks("launch", n, "tests/ranks/low_latency.py",
+    code, output, results = run_ranks("launch", n, "tests/ranks/low_latency.py", *quick(n, shared),
                                       env={"EPJIT_TIMEOUT_S": "60", **env}, timeout=600)
     assert code == 0, output[-8000:]
     _check(results, n)
