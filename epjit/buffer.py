@@ -1191,13 +1191,11 @@ class Buffer:
                     else None
         grid = normal_grid(handle.num_channels, self._num_device_sms)
         self._main_module.launch(
-            "intranode_combine", grid, NUM_THREADS, table, self._claims_ptrs[1], y_arg,
-            0 if w_arg is None else w_arg,
+            "intranode_combine", grid, NUM_THREADS, table, self._claims_ptrs[1], y_arg, 0 if w_arg is None else w_arg,
             biases[0] if biases else 0, biases[1] if len(biases) > 1 else 0, handle.rank_prefix_ints.ptr,
             handle.recv_channel_offset_ints.ptr, handle.send_head_ints.ptr, handle.status_ints.ptr, _address(out),
-            _address(out_w),
-            handle.num_tokens, handle.hidden, handle.num_topk, handle.num_channels, config.nvl_chunk_recv,
-            config.nvl_chunk_send, profile.timeline("combine", grid, NORMAL_TIMELINE_POINTS),
+            _address(out_w), handle.num_tokens, handle.hidden, handle.num_topk, handle.num_channels,
+            config.nvl_chunk_recv, config.nvl_chunk_send, profile.timeline("combine", grid, NORMAL_TIMELINE_POINTS),
             stream=comm)
         profile.mark("combine", comm)
         event = self._finish(caller, async_finish)

@@ -1,5 +1,6 @@
-"""GPU tier of the foundation: peer memory, the NVLink barrier and the NVSHMEM put + signal, on 2 and 4 ranks,
-under epjit.launch and under mpirun; a rank that never arrives becomes a timeout error naming it."""
+"""GPU tier of the foundation: peer memory, the NVLink barrier and the NVSHMEM put + signal, on 2 and 4 ranks
+(and 4 and 8 sharing 2 GPUs: tests/gpu.py's RANKS), under epjit.launch and under mpirun; a rank that never arrives
+becomes a timeout error naming it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""GPU tier of normal-mode intranode dispatch/combine: every case against epjit.reference on 2 and 4 ranks."""
+"""GPU tier of normal-mode intranode dispatch/combine: every case against epjit.reference on 2 and 4 ranks (and,
+on 2-GPU machines, 4 and 8 ranks sharing the GPUs: tests/gpu.py's RANKS)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""GPU tier of low-latency mode: every case against epjit.reference on 2 and 4 ranks, direct NVLink stores and
-NVSHMEM puts, the receive hook, CUDA-graph replay, 1000 alternating calls, the Safe rules and a rank that stops."""
+"""GPU tier of low-latency mode: every case against epjit.reference on 2 and 4 ranks (and 4 and 8 sharing 2 GPUs:
+tests/gpu.py's RANKS), direct NVLink stores and NVSHMEM puts, the receive hook, CUDA-graph replay, 1000 alternating
+calls, the Safe rules and a rank that stops."""
 
 from __future__ import annotations
 
