@@ -54,8 +54,8 @@ constexpr int kFlagFp8 = 1;
 constexpr int kFlagRoundScale = 2;
 constexpr int kFlagUe8m0 = 4;
 
-// Status bits, ORed into the call word (LowLatencySync::call[set], above kCallBlockBits) and from there by the
-// call's last block into host_status, where they stay until the host has read them (epjit/buffer.py mirrors them).
+// Status bits, ORed into the call word (LowLatencySync::call[set], above kCallBlockBits); the call's last block
+// counts each raised bit in host_status (epjit/buffer.py mirrors the layout, see publish_status).
 constexpr int kLowLatencyInvalidIds = 1;    // topk_idx entries outside [-1, num_experts): skipped
 constexpr int kLowLatencySlotOverflow = 2;  // > M top-k slots of one rank name one expert (repeats): dropped
 constexpr int kLowLatencyMetaMismatch = 4;  // a message with another hidden size or FP8 setting arrived
@@ -64,6 +64,19 @@ constexpr int kCallBlockBits = 16;          // the call word's low bits count fi
 
 __device__ __forceinline__ void report_status(int32_t* call_word, int status) {
     atomicOr(call_word, status << kCallBlockBits);
+}
+
+// host_status (mapped host memory) is written by the GPU only: word 1 + b counts the calls that raised bit b, and
+// word 0 counts the reports, released after the counts. The host keeps the last word 0 it read and raises what the
+// counts gained since, so a report landing while the host reads an earlier one is seen at the next check instead
+// of being lost to a host write (the host never writes the words while a kernel may run).
+constexpr int kStatusBitCount = 4;
+static_assert(kLowLatencyLayoutTooBig == 1 << (kStatusBitCount - 1), "publish_status counts every status bit");
+
+__device__ __forceinline__ void publish_status(int* host_status, int status) {
+    for (int b = 0; b < kStatusBitCount; ++b)
+        if (status & (1 << b)) host_status[1 + b] = ptx::ld_volatile_s32(host_status + 1 + b) + 1;
+    ptx::st_release_sys_s32(host_status, ptx::ld_volatile_s32(host_status) + 1);
 }
 
 // EPJIT_PROFILE (timeline.cuh): the points a low-latency kernel stamps (epjit/kernels/low_latency.py mirrors them).
@@ -143,7 +156,7 @@ __device__ __forceinline__ void finish_call(const PeersTable* peers, const LowLa
         if (defer_acks) sync->unacked[set] = epoch;
     }
     const int status = word >> kCallBlockBits;
-    if (status != 0) ptx::st_release_sys_s32(host_status, ptx::ld_volatile_s32(host_status) | status);
+    if (status != 0) publish_status(host_status, status);
 }
 
 // Sends the acks the last dispatch receive on each set left (finish_call), from the last warp of the grid's last

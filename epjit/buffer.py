@@ -50,6 +50,7 @@ from .kernels.low_latency import (
     MAX_DYNAMIC_SHARED_BYTES,
     PHASE_RECV,
     PHASE_SEND,
+    STATUS_BIT_COUNT,
     STATUS_INVALID_IDS,
     STATUS_LAYOUT_TOO_BIG,
     STATUS_META_MISMATCH,
@@ -420,7 +421,10 @@ class _LowLatencyState:
         self.module = jit.load(LowLatencySpec(), buffer.group.device)
         self.sync = cupy.zeros(SYNC_BYTES // 4 + buffer.num_experts, dtype=cupy.int32)  # + expert_sent
         self.sync_ptr = self.sync.data.ptr  # kernel arguments as ints take the launcher's fast path
+        # Written by the kernels only (publish_status in cuda_src/low_latency.cu): [0] counts the reports, [1 + b]
+        # the calls that raised status bit b; status_seen is what the host has raised of them.
         self.host_status = MappedHostArray(64)
+        self.status_seen = np.zeros(1 + STATUS_BIT_COUNT, dtype=np.int32)
         self.next_set = 0
         self.pending: list[str | None] = [None, None]  # per set: which call's hook has not run yet
         self.combine_buffers: list[Any] = [None, None]  # get_next_low_latency_combine_buffer, per set
@@ -1254,12 +1258,15 @@ class Buffer:
         return self._ll
 
     def _raise_low_latency_status(self) -> None:
-        """Raise, once, what earlier low-latency kernels found (their last block ORs it into host_status)."""
+        """Raise, once, what earlier low-latency kernels found (their last block counts it in host_status)."""
         ll = self._ll
-        if ll is None or not ll.host_status.ints[0]:
+        if ll is None or ll.host_status.ints[0] == ll.status_seen[0]:
             return
-        status = int(ll.host_status.ints[0])
-        ll.host_status.ints[0] = 0
+        reports = ll.host_status.ints[0]  # read first: the kernel releases it after the counts
+        counts = ll.host_status.ints[1:1 + STATUS_BIT_COUNT].copy()
+        raised = counts != ll.status_seen[1:]
+        ll.status_seen[0], ll.status_seen[1:] = reports, counts
+        status = sum(1 << b for b in range(STATUS_BIT_COUNT) if raised[b])
         problems = []
         if status & STATUS_INVALID_IDS:
             problems.append(f"topk_idx had entries outside [-1, num_experts={self.num_experts}) (skipped)")
@@ -1521,7 +1528,8 @@ class Buffer:
             cupy.cuda.runtime.memset(heap.base, 0, low_latency_size_hint(
                 self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_ranks, self.num_experts))
             cupy.cuda.runtime.deviceSynchronize()
-        ll.host_status.ints[0] = 0
+        ll.host_status.ints[:] = 0  # no kernel runs: the synchronisation above
+        ll.status_seen[:] = 0
         ll.next_set = 0
         ll.pending = [None, None]
         self.group.barrier()

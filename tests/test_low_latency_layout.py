@@ -27,7 +27,7 @@ def test_constants_match_the_sources():
                   ("FLAG_ROUND_SCALE", "kFlagRoundScale"), ("FLAG_UE8M0", "kFlagUe8m0"),
                   ("STATUS_INVALID_IDS", "kLowLatencyInvalidIds"), ("STATUS_SLOT_OVERFLOW", "kLowLatencySlotOverflow"),
                   ("STATUS_META_MISMATCH", "kLowLatencyMetaMismatch"),
-                  ("STATUS_LAYOUT_TOO_BIG", "kLowLatencyLayoutTooBig")]:
+                  ("STATUS_LAYOUT_TOO_BIG", "kLowLatencyLayoutTooBig"), ("STATUS_BIT_COUNT", "kStatusBitCount")]:
         assert getattr(ll, py) == _constexpr(KERNELS, c), py
     fields = re.findall(r"int32_t (\w+)(?:\[(\d+)\])?;", re.search(r"struct LowLatencySync \{(.*?)\};", HEADER,
                                                                    re.S).group(1))

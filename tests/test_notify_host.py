@@ -210,14 +210,27 @@ def test_synchronize_and_close_raise_what_a_low_latency_kernel_found_once(monkey
     buf._pending.clear()
     buf.num_experts, buf.num_max_dispatch_tokens_per_rank = 64, 8
     status = np.zeros(16, dtype=np.int32)
-    buf._ll = SimpleNamespace(host_status=SimpleNamespace(ints=status), close=lambda: released.append("ll"))
-    status[0] = b.STATUS_INVALID_IDS  # what ll_dispatch's last block ORs in
+    buf._ll = SimpleNamespace(host_status=SimpleNamespace(ints=status), close=lambda: released.append("ll"),
+                              status_seen=np.zeros(1 + b.STATUS_BIT_COUNT, dtype=np.int32))
+
+    def publish(bits: int) -> None:  # what a low-latency call's last block does (publish_status)
+        for i in range(b.STATUS_BIT_COUNT):
+            status[1 + i] += bits >> i & 1
+        status[0] += 1
+
+    publish(b.STATUS_INVALID_IDS)
     with pytest.raises(ArgumentError, match=r"earlier low-latency call was wrong.*outside \[-1, num_experts=64\)"):
         buf.synchronize()
     buf.synchronize()  # once
-    status[0] = b.STATUS_SLOT_OVERFLOW
-    with pytest.raises(ArgumentError, match="num_max_dispatch_tokens_per_rank=8 slots"):
+    assert status[0] == 1 and status[1] == 1  # the host never writes the kernels' words
+    publish(b.STATUS_INVALID_IDS)  # the same problem again is raised again, and alone
+    with pytest.raises(ArgumentError, match=r"valid: topk_idx had entries outside \[-1, num_experts=64\) \(skipped\)$"):
+        buf.synchronize()
+    publish(b.STATUS_SLOT_OVERFLOW)
+    publish(b.STATUS_META_MISMATCH | b.STATUS_SLOT_OVERFLOW)  # two reports between checks: both raised at once
+    with pytest.raises(ArgumentError, match="num_max_dispatch_tokens_per_rank=8 slots.*another hidden size") as e:
         buf.close()
+    assert "outside" not in str(e.value)
     assert released == ["ll", "peer memory"]
 
 

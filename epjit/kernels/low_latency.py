@@ -18,6 +18,7 @@ PHASE_SEND, PHASE_RECV = 1, 2
 TIMELINE_POINTS = ("start", "acks", "sent", "counted", "counts", "received", "end")
 FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4
 STATUS_INVALID_IDS, STATUS_SLOT_OVERFLOW, STATUS_META_MISMATCH, STATUS_LAYOUT_TOO_BIG = 1, 2, 4, 8
+STATUS_BIT_COUNT = 4  # host_status: [0] reports, [1 + b] calls that raised bit b (publish_status)
 
 
 @dataclass(frozen=True)
