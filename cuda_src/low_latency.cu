@@ -37,7 +37,13 @@
 #include "copy.cuh"
 #include "fp8.cuh"
 #include "low_latency.cuh"
+// The NVSHMEM device library only where a put path may run (low_latency_puts.cu): a -rdc build linked with it
+// costs every launch 1-2 us (see epjit/kernels/low_latency.py), so the build without it has stubs instead.
+#ifdef EPJIT_LL_PUTS
 #include "nvshmem.cuh"
+#else
+#include "no_nvshmem.cuh"
+#endif
 #include "ptx.cuh"
 #include "timeline.cuh"
 #include "wait.cuh"

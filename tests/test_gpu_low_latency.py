@@ -41,6 +41,7 @@ def test_low_latency_against_reference(n, shared):
                                       env={"EPJIT_TIMEOUT_S": "60", **env}, timeout=600)
     assert code == 0, output[-8000:]
     _check(results, n)
+    assert all(r["build"] == "low_latency" for r in results), results  # every peer has an NVLink pointer
     print("\n".join(str(r) for r in results))
 
 
@@ -52,7 +53,7 @@ def test_low_latency_through_nvshmem_puts():
                                       env={"EPJIT_TIMEOUT_S": "60", "EPJIT_LL_FORCE_PUTS": "1"}, timeout=400)
     assert code == 0, output[-8000:]
     _check(results, 2)
-    assert all(r["force_puts"] == "1" for r in results)
+    assert all(r["force_puts"] == "1" and r["build"] == "low_latency_puts" for r in results), results
 
 
 def test_a_rank_that_stops_sending_times_out_naming_it():

@@ -61,3 +61,19 @@ def test_message_stride_fits_both_payloads():
         fp8 = ll.LOW_LATENCY_HEADER_BYTES + hidden + hidden // 128 * 4
         bf16 = ll.LOW_LATENCY_HEADER_BYTES + 2 * hidden
         assert ll.message_bytes(hidden) >= max(fp8, bf16) and ll.message_bytes(hidden) % 16 == 0
+
+
+def test_the_build_without_nvshmem_serves_only_where_every_peer_has_a_pointer():
+    from epjit.buffer import low_latency_needs_puts
+
+    assert not low_latency_needs_puts(False, [0x7F00_0000_0000, 0x7E00_0000_0000])
+    assert low_latency_needs_puts(True, [0x7F00_0000_0000, 0x7E00_0000_0000])  # EPJIT_LL_FORCE_PUTS
+    assert low_latency_needs_puts(False, [0x7F00_0000_0000, 0])  # a peer reachable only through NVSHMEM puts
+    assert low_latency_needs_puts(False, None)  # no symmetric heap to tell
+
+
+def test_the_puts_build_is_the_same_kernels_with_nvshmem():
+    puts = (CUDA_SRC / ll.LowLatencyPutsSpec.SOURCE).read_text()
+    assert "#define EPJIT_LL_PUTS" in puts and '#include "low_latency.cu"' in puts
+    assert ll.LowLatencyPutsSpec.USES_NVSHMEM and not ll.LowLatencySpec.USES_NVSHMEM
+    assert ll.LowLatencyPutsSpec.KERNELS == ll.LowLatencySpec.KERNELS

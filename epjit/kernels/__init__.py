@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..jit.spec import KernelSpec
 from .foundation import BarrierSpec, CopyCeilingSpec, PutSignalCheckSpec, SpinSpec
 from .intranode import NUM_THREADS, IntranodeNotifySpec, IntranodeSpec, LayoutSpec
-from .low_latency import LowLatencySpec
+from .low_latency import LowLatencyPutsSpec, LowLatencySpec
 
 __all__ = [
     "BarrierSpec",
@@ -13,6 +13,7 @@ __all__ = [
     "IntranodeNotifySpec",
     "IntranodeSpec",
     "LayoutSpec",
+    "LowLatencyPutsSpec",
     "LowLatencySpec",
     "PutSignalCheckSpec",
     "SpinSpec",
@@ -26,5 +27,5 @@ def check_specs() -> list[KernelSpec]:
     specs += [PutSignalCheckSpec(False), PutSignalCheckSpec(True), LayoutSpec(), SpinSpec(), CopyCeilingSpec()]
     for ranks in (2, 4, 8):
         specs += [IntranodeNotifySpec(ranks), IntranodeSpec(ranks, NUM_THREADS)]
-    specs.append(LowLatencySpec())
+    specs += [LowLatencySpec(), LowLatencyPutsSpec()]
     return specs
