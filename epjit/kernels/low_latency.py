@@ -23,7 +23,8 @@ STATUS_BIT_COUNT = 4  # host_status: [0] reports, [1 + b] calls that raised bit 
 
 @dataclass(frozen=True)
 class LowLatencySpec(KernelSpec):
-    """cuda_src/low_latency.cu: dispatch and combine halves (send, receive or both per launch)."""
+    """cuda_src/low_latency.cu: dispatch and combine halves (send, receive or both per launch), built without
+    NVSHMEM's device library: every peer through its NVLink pointer (LowLatencyPutsSpec where one has none)."""
 
     SOURCE = "low_latency.cu"
     KERNELS = {
