@@ -1,5 +1,5 @@
 // What low_latency.cu calls of NVSHMEM, for its build without the device library: the host launches that build
-// only where every peer has an NVLink pointer and puts are not forced (epjit/buffer.py, _LowLatencyState), so no
+// only where every peer has an NVLink pointer and puts are not forced (epjit/buffer.py, low_latency_needs_puts), so no
 // put path runs in it; were one reached, it stops the kernel rather than touch memory.
 #pragma once
 

@@ -62,7 +62,7 @@ from .kernels.low_latency import (
     low_latency_size_hint,
 )
 from .kernels.low_latency import TIMELINE_POINTS as LL_TIMELINE_POINTS
-from .memory import MappedHostArray, PeerMemory
+from .memory import MappedHostArray, PeerMemory, SymmetricHeap
 
 # Bits of the notify status (cuda_src/intranode.cu) and of the meta flags each rank announces.
 _STATUS_META_MISMATCH, _STATUS_WORST_TOO_SMALL, _STATUS_LAYOUT_TOO_BIG, _STATUS_INVALID_IDS = 1, 2, 4, 8
@@ -421,8 +421,7 @@ class _LowLatencyState:
         cupy = _cupy()
         env = settings()
         self.force_puts = int(env.ll_force_puts)
-        heap = buffer.mem.sym
-        puts = low_latency_needs_puts(bool(self.force_puts), None if heap is None else heap.peer_ptrs)
+        puts = low_latency_needs_puts(bool(self.force_puts), buffer.mem.sym)
         self.module = jit.load(LowLatencyPutsSpec() if puts else LowLatencySpec(), buffer.group.device)
         self.sync = cupy.zeros(SYNC_BYTES // 4 + buffer.num_experts, dtype=cupy.int32)  # + expert_sent
         self.sync_ptr = self.sync.data.ptr  # kernel arguments as ints take the launcher's fast path
@@ -440,10 +439,10 @@ class _LowLatencyState:
         self.host_status.close()
 
 
-def low_latency_needs_puts(force_puts: bool, peer_ptrs: list[int] | None) -> bool:
+def low_latency_needs_puts(force_puts: bool, heap: SymmetricHeap | None) -> bool:
     """Whether the low-latency kernels need their build with NVSHMEM puts (LowLatencyPutsSpec): puts forced, or a
     peer without an NVLink pointer. The build without NVSHMEM's device library launches 1-2 us faster."""
-    return force_puts or peer_ptrs is None or not all(peer_ptrs)
+    return force_puts or heap is None or not heap.has_direct_peers
 
 
 _PHASE_SUFFIX = {PHASE_SEND: ".send", PHASE_RECV: ".recv", PHASE_SEND | PHASE_RECV: ""}

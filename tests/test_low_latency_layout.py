@@ -65,10 +65,16 @@ def test_message_stride_fits_both_payloads():
 
 def test_the_build_without_nvshmem_serves_only_where_every_peer_has_a_pointer():
     from epjit.buffer import low_latency_needs_puts
+    from epjit.memory import SymmetricHeap
 
-    assert not low_latency_needs_puts(False, [0x7F00_0000_0000, 0x7E00_0000_0000])
-    assert low_latency_needs_puts(True, [0x7F00_0000_0000, 0x7E00_0000_0000])  # EPJIT_LL_FORCE_PUTS
-    assert low_latency_needs_puts(False, [0x7F00_0000_0000, 0])  # a peer reachable only through NVSHMEM puts
+    def heap(*peer_ptrs: int) -> SymmetricHeap:  # nvshmem_ptr's answers, without NVSHMEM
+        h = object.__new__(SymmetricHeap)
+        h.peer_ptrs = list(peer_ptrs)
+        return h
+
+    assert not low_latency_needs_puts(False, heap(0x7F00_0000_0000, 0x7E00_0000_0000))
+    assert low_latency_needs_puts(True, heap(0x7F00_0000_0000, 0x7E00_0000_0000))  # EPJIT_LL_FORCE_PUTS
+    assert low_latency_needs_puts(False, heap(0x7F00_0000_0000, 0))  # a peer reachable only through NVSHMEM puts
     assert low_latency_needs_puts(False, None)  # no symmetric heap to tell
 
 
