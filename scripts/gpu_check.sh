@@ -2,7 +2,7 @@
 # Everything the GPU tier checks, in one call on a GPU machine (see ../shared/gpu-machine/README.md):
 #   source .device/setup.sh && bash scripts/gpu_check.sh [pytest -k expression]
 # Compiles every module cold (fresh cache) and warm, runs the GPU tests, writes logs under $OUT, prints a table.
-# On 2 x H200 the tests take ~6 minutes, ~2.5 of them the 8-on-2-gpus cases (-k "not 8-on-2" leaves them out).
+# On 2 x H200 the tests take ~6 minutes, ~2.5 of them the 8-shared cases (-k "not 8-shared" leaves them out).
 set -uo pipefail
 OUT=${OUT:-/tmp/epjit-out}
 mkdir -p "$OUT"

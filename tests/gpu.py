@@ -36,13 +36,14 @@ def require_gpus(n: int) -> None:
         pytest.skip(f"needs {n} GPUs, this machine has {_GPUS}")
 
 
-# The rank counts of the multi-rank tests. "4-on-2-gpus" and "8-on-2-gpus" run where the machine has fewer GPUs than
-# ranks (at least 2), two or four ranks a GPU (EPJIT_SHARE_GPUS; the driver time-slices their kernels): they check
-# the 4- and 8-rank code paths (prefix sums over 4 or 8 sources, acks to 3 or 7 peers, 8-way barriers) on the
-# 2-GPU machines, 8 ranks through each script's quick cases. Only the "4" case, one rank a GPU, proves them on
-# NVLink as users run them, and only it may be reported as a 4-GPU run.
-RANKS = [pytest.param(2, False, id="2"), pytest.param(4, False, id="4"), pytest.param(4, True, id="4-on-2-gpus"),
-         pytest.param(8, True, id="8-on-2-gpus")]
+# The rank counts of the multi-rank tests. A "-shared" case runs where the machine has fewer GPUs than ranks (at least
+# one): several ranks a GPU (EPJIT_SHARE_GPUS; the driver time-slices their kernels, rank i on GPU i % GPUs). It
+# checks the 2-, 4- and 8-rank code paths (prefix sums over 4 or 8 sources, acks to 3 or 7 peers, 8-way barriers)
+# on machines with 1 or 2 GPUs, 8 ranks through each script's quick cases. Only a case without "-shared", one rank a
+# GPU, proves them on NVLink as users run them, and only it may be reported as a run on that many GPUs. So a 1-GPU
+# machine runs 2-, 4- and 8-shared; a 2-GPU one 2, 4-shared and 8-shared; a 4-GPU one 2, 4 and 8-shared.
+RANKS = [pytest.param(2, False, id="2"), pytest.param(2, True, id="2-shared"), pytest.param(4, False, id="4"),
+         pytest.param(4, True, id="4-shared"), pytest.param(8, True, id="8-shared")]
 
 
 def placement(n: int, shared: bool) -> dict[str, str]:
@@ -50,15 +51,21 @@ def placement(n: int, shared: bool) -> dict[str, str]:
     if not shared:
         require_gpus(n)
         return {}
-    require_gpus(2)
+    require_gpus(1)
     assert _GPUS is not None
     if _GPUS >= n:
         pytest.skip(f"{_GPUS} GPUs here: the {n}-rank case runs one rank a GPU")
     return {"EPJIT_SHARE_GPUS": "1"}
 
 
+def two_ranks() -> dict[str, str]:
+    """The environment of a 2-rank run: one rank a GPU, or both on the one GPU of a 1-GPU machine (shared)."""
+    require_gpus(1)
+    return placement(2, _GPUS is not None and _GPUS < 2)
+
+
 def quick(n: int, shared: bool) -> tuple[str, ...]:
-    """The rank scripts' arguments: their quick cases where more than two ranks share a GPU (8 on 2 GPUs)."""
+    """The rank scripts' arguments: their quick cases where more than four ranks share the GPUs (8 ranks)."""
     return ("--quick",) if shared and n > 4 else ()
 
 

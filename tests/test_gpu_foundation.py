@@ -1,6 +1,6 @@
 """GPU tier of the foundation: peer memory, the NVLink barrier and the NVSHMEM put + signal, on 2 and 4 ranks
-(and 4 and 8 sharing 2 GPUs: tests/gpu.py's RANKS), under epjit.launch and under mpirun; a rank that never arrives
-becomes a timeout error naming it."""
+(and ranks sharing GPUs where there are fewer GPUs than ranks: tests/gpu.py's RANKS), under epjit.launch and under
+mpirun; a rank that never arrives becomes a timeout error naming it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from .gpu import RANKS, placement, require_gpus, run_ranks
+from .gpu import RANKS, placement, run_ranks, two_ranks
 
 pytestmark = pytest.mark.gpu
 SCRIPT = "tests/ranks/peer_memory.py"
@@ -31,10 +31,10 @@ def test_barrier_and_nvshmem(n, shared, launcher):
 
 @pytest.mark.parametrize("skip_in", ["barrier", "nvshmem"])
 def test_missing_rank_times_out(skip_in):
-    require_gpus(2)
+    env = two_ranks()
     start = time.monotonic()
     code, output, _ = run_ranks("launch", 2, SCRIPT, "--skip-rank", "1", "--skip-in", skip_in,
-                                env={"EPJIT_TIMEOUT_S": "3"}, timeout=120)
+                                env={"EPJIT_TIMEOUT_S": "3", **env}, timeout=120)
     elapsed = time.monotonic() - start
     assert code != 0, output[-4000:]
     assert "EpjitTimeoutError" in output and "rank 0 timed out" in output, output[-4000:]

@@ -1,11 +1,11 @@
 """GPU tier of normal-mode intranode dispatch/combine: every case against epjit.reference on 2 and 4 ranks (and,
-on 2-GPU machines, 4 and 8 ranks sharing the GPUs: tests/gpu.py's RANKS)."""
+where there are fewer GPUs than ranks, ranks sharing them: tests/gpu.py's RANKS)."""
 
 from __future__ import annotations
 
 import pytest
 
-from .gpu import RANKS, placement, quick, require_gpus, run_ranks
+from .gpu import RANKS, placement, quick, run_ranks, two_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -37,10 +37,10 @@ def test_intranode_against_reference(n, shared):
 
 
 def test_a_rank_that_never_arrives_times_out_naming_it():
-    require_gpus(2)
+    env = two_ranks()
     pytest.importorskip("torch")
-    code, output, _ = run_ranks("launch", 2, "tests/ranks/intranode_timeout.py", env={"EPJIT_TIMEOUT_S": "3"},
-                                timeout=120)
+    code, output, _ = run_ranks("launch", 2, "tests/ranks/intranode_timeout.py",
+                                env={"EPJIT_TIMEOUT_S": "3", **env}, timeout=120)
     assert code != 0, output[-4000:]
     assert "EpjitTimeoutError" in output and "rank 0 timed out" in output, output[-4000:]
     assert "intranode_notify" in output and "waiting for peer rank 1" in output, output[-4000:]

@@ -1,12 +1,12 @@
-"""GPU tier of low-latency mode: every case against epjit.reference on 2 and 4 ranks (and 4 and 8 sharing 2 GPUs:
-tests/gpu.py's RANKS), direct NVLink stores and NVSHMEM puts, the receive hook, CUDA-graph replay, 1000 alternating
-calls, the Safe rules and a rank that stops."""
+"""GPU tier of low-latency mode: every case against epjit.reference on 2 and 4 ranks (and ranks sharing GPUs where
+there are fewer GPUs than ranks: tests/gpu.py's RANKS), direct NVLink stores and NVSHMEM puts, the receive hook,
+CUDA-graph replay, 1000 alternating calls, the Safe rules and a rank that stops."""
 
 from __future__ import annotations
 
 import pytest
 
-from .gpu import RANKS, placement, quick, require_gpus, run_ranks
+from .gpu import RANKS, placement, quick, run_ranks, two_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -47,20 +47,20 @@ def test_low_latency_against_reference(n, shared):
 
 def test_low_latency_through_nvshmem_puts():
     """The path a cluster without NVLink between nodes takes (NVSHMEM puts + signals), forced on one node."""
-    require_gpus(2)
+    env = two_ranks()
     pytest.importorskip("torch")
     code, output, results = run_ranks("launch", 2, "tests/ranks/low_latency.py", "--quick",
-                                      env={"EPJIT_TIMEOUT_S": "60", "EPJIT_LL_FORCE_PUTS": "1"}, timeout=400)
+                                      env={"EPJIT_TIMEOUT_S": "60", "EPJIT_LL_FORCE_PUTS": "1", **env}, timeout=400)
     assert code == 0, output[-8000:]
     _check(results, 2)
     assert all(r["force_puts"] == "1" and r["build"] == "low_latency_puts" for r in results), results
 
 
 def test_a_rank_that_stops_sending_times_out_naming_it():
-    require_gpus(2)
+    env = two_ranks()
     pytest.importorskip("torch")
-    code, output, _ = run_ranks("launch", 2, "tests/ranks/low_latency_timeout.py", env={"EPJIT_TIMEOUT_S": "3"},
-                                timeout=120)
+    code, output, _ = run_ranks("launch", 2, "tests/ranks/low_latency_timeout.py",
+                                env={"EPJIT_TIMEOUT_S": "3", **env}, timeout=120)
     assert code != 0, output[-4000:]
     assert "EpjitTimeoutError" in output and "rank 0 timed out" in output, output[-4000:]
     assert "ll_dispatch" in output and "waiting for peer rank 1" in output, output[-4000:]
