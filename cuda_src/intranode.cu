@@ -9,8 +9,9 @@
 //              pushes the channel's tokens for that rank through ring (channel, me) in its buffer, chunk by chunk,
 //              publishing the tail, and a draining group copies ring (channel, that rank) of my buffer into recv_x
 //              at the rows rank_prefix_matrix and the channel's start offset give, publishing the head; one more
-//              group copies my own tokens from x. send_head[t][r] records the ring index token t took towards r
-//              (or, as -(i)-1, the index the next token towards r will take): combine's receipts.
+//              group copies my own tokens from x (or, phased, one sending group serves the other ranks in turn).
+//              send_head[t][r] records the ring index token t took towards r (or, as -(i)-1, the index the next
+//              token towards r will take): combine's receipts.
 //   combine    after a barrier of the channel's blocks on every rank (each zeroes the channel's combine words in
 //              its buffer first), the same rings in the other direction (CombineRoles): sending groups return
 //              each received row to its source in received order, so it lands at the index send_head recorded;
@@ -102,61 +103,69 @@ __device__ __forceinline__ void wait_for_ring_room(const PeersTable* peers, cons
     __syncwarp();
 }
 
-// The warp groups of a dispatch block (named barrier group + 1): a sending and a draining group for each other
-// rank, then the own copy. Senders set the pace (a drain copies what has arrived; more sending warps, not fewer
-// round trips a row, sped them up), so they get the warps the own copy does not need: on 2 ranks 10 / 8 / 6, on
-// 4 ranks 4 / 3 / 3 a peer (equal groups had the own copy done at ~65% of the senders' time on 2 x H200, and left
-// 3 warps idle on 4 ranks).
-template <int kNumRanks, int kNumWarps>
+// The warp groups of a dispatch block (named barrier group + 1): sending groups, a draining group for each other
+// rank, then the own copy with the warps left. How many warps each role gets is the host's choice, a template
+// parameter (epjit/kernels/intranode.py: intranode_spec, which also sizes the chunks by it). Senders set the pace (a
+// drain copies what has arrived; more sending warps, not fewer round trips a row, sped them up), so by default they
+// get what the own copy (W / 2R) and the drains (W / (2R - 1) a peer) leave: 10 / 8 / 6 on 2 ranks, 4 / 3 / 3 a peer
+// on 4 (equal groups had the own copy done at ~65% of the senders' time on 2 x H200).
+//
+// kPhased: one sending group of all the sending warps, serving the peers one at a time: me + 1, then me + 2, ...
+// While the ranks keep step, each GPU is then written by one peer at a time (NCCL's p2p schedule: the `rotate` copy
+// pattern reached 318-322 GB/s out of each of 4 x H200 where every peer at once, `peers`, reached 229-236; see
+// `python -m epjit.bench --modes ceiling`). A channel's share for one peer fits its ring (~150 tokens of 256 slots
+// at 4096 tokens x 24 channels), so a phase rarely waits for the drain.
+template <int kNumRanks, int kNumWarps, int kSendWarpsAPeer, int kDrainWarpsAPeer, bool kPhased>
 struct DispatchRoles {
-    enum Role { kSend, kDrain, kOwn, kIdle };
+    enum Role { kSend, kDrain, kOwn };
     static constexpr int kPeers = kNumRanks - 1;
-    static constexpr int kGroups = 2 * kPeers + 1;  // send to and drain each other rank, own copy
-    static constexpr int kOwnWarps = kPeers == 0 ? kNumWarps  // at least one warp, then W / 2R
-                                                 : (kNumWarps < 4 * kNumRanks ? 1 : kNumWarps / (2 * kNumRanks));
-    static constexpr int kDrainWarps = kPeers == 0 ? 0 : kNumWarps / kGroups;
-    static constexpr int kSendWarps = kPeers == 0 ? 0 : (kNumWarps - kOwnWarps - kPeers * kDrainWarps) / kPeers;
-    static_assert(kOwnWarps >= 1 && (kPeers == 0 || (kDrainWarps >= 1 && kSendWarps >= kDrainWarps)),
-                  "too few warps for this many ranks");
+    static constexpr int kSendWarps = kSendWarpsAPeer, kDrainWarps = kDrainWarpsAPeer;
+    static constexpr int kSendGroups = kPeers == 0 ? 0 : kPhased ? 1 : kPeers;
+    static constexpr int kSendGroupWarps = kPhased ? kPeers * kSendWarps : kSendWarps;
+    static constexpr int kPeersPerSendGroup = kPhased ? kPeers : 1;
+    static constexpr int kGroups = kSendGroups + kPeers + 1;  // senders, a drain group a peer, the own copy
+    static constexpr int kOwnWarps = kNumWarps - kPeers * (kSendWarps + kDrainWarps);
+    static_assert(kOwnWarps >= 1 && (kPeers == 0 ? kSendWarps == 0 && kDrainWarps == 0
+                                                 : kSendWarps >= 1 && kDrainWarps >= 1),
+                  "every role needs a warp (the host's IntranodeSpec refuses such a split first)");
     static_assert(kGroups <= 15, "named barriers 1..15 name the groups");
     Role role;
     int group;          // named barrier group + 1
-    int peer;           // the nvl rank served (mine for the own copy)
+    int peer;           // the nvl rank served (mine for the own copy; a phased sending group's first peer)
     int warp_in_group;
 
     __device__ DispatchRoles(int warp, int me) {
         constexpr int kSendEnd = kPeers * kSendWarps, kDrainEnd = kSendEnd + kPeers * kDrainWarps;
         if (warp < kSendEnd) {
-            group = warp / kSendWarps, warp_in_group = warp % kSendWarps;
+            group = warp / kSendGroupWarps, warp_in_group = warp % kSendGroupWarps;
             role = kSend, peer = (me + 1 + group) % kNumRanks;
         } else if (warp < kDrainEnd) {
-            group = kPeers + (warp - kSendEnd) / kDrainWarps, warp_in_group = (warp - kSendEnd) % kDrainWarps;
-            role = kDrain, peer = (me + 1 + group - kPeers) % kNumRanks;
+            const int d = (warp - kSendEnd) / kDrainWarps;
+            group = kSendGroups + d, warp_in_group = (warp - kSendEnd) % kDrainWarps;
+            role = kDrain, peer = (me + 1 + d) % kNumRanks;
         } else {
-            group = kGroups - 1, warp_in_group = warp - kDrainEnd;
-            role = warp_in_group < kOwnWarps ? kOwn : kIdle, peer = me;
+            group = kGroups - 1, warp_in_group = warp - kDrainEnd, role = kOwn, peer = me;
         }
     }
-    __device__ int warps() const { return role == kSend ? kSendWarps : role == kDrain ? kDrainWarps : kOwnWarps; }
+    // The nvl rank a sending group serves in its phase-th turn (always roles.peer unless kPhased).
+    __device__ int send_peer(int me, int phase) const { return kPhased ? (me + 1 + phase) % kNumRanks : peer; }
+    __device__ int warps() const { return role == kSend ? kSendGroupWarps : role == kDrain ? kDrainWarps : kOwnWarps; }
     __device__ void sync() const { ptx::bar_sync(group + 1, warps() * 32); }
 };
 
-// The warps of a combine block: sending groups first (one per other rank, named barrier group + 1), then the
-// coordinator, then the readers. A reader reads R rows and writes one for every row a sender copies, so readers
-// get the larger share: send warps ~ 2(R-1) / (2(R-1) + R + 1) of the block (copies count a read and a write).
-// On 2 ranks that gives 9 of 24 warps, but 7 are faster (2 x H200, 4096 tokens, chunk 12: 6 / 7 / 8 / 9 / 11
-// senders 221.6 / 219.5 / 221.4 / 225.4 / 247.3 us): NVLink, not their warps, limits the senders there, and the
-// two warps they give up serve the readers. 4 and 8 ranks keep the formula until measured.
-template <int kNumRanks, int kNumWarps>
+// The warps of a combine block: sending groups first (one per other rank, kSendPerPeer warps each, named barrier
+// group + 1), then the coordinator, then the readers. A reader reads R rows and writes one for every row a sender
+// copies, so readers get the larger share: by default send warps ~ 2(R-1) / (2(R-1) + R + 1) of the block (copies
+// count a read and a write), except on 2 ranks: the formula gives 9 of 24 warps, but 7 are faster (2 x H200, 4096
+// tokens, chunk 12: 6 / 7 / 8 / 9 / 11 senders 221.6 / 219.5 / 221.4 / 225.4 / 247.3 us): NVLink, not their warps,
+// limits the senders there, and the two warps they give up serve the readers (epjit/kernels/intranode.py).
+template <int kNumRanks, int kNumWarps, int kSendWarpsAPeer>
 struct CombineRoles {
     enum Role { kSend, kCoordinator, kRead };
-    static constexpr int kSendPerPeer =
-        kNumRanks == 1   ? 0
-        : kNumRanks == 2 ? (kNumWarps * 7 / 24 > 0 ? kNumWarps * 7 / 24 : 1)  // at least one
-                         : kNumWarps * 2 * (kNumRanks - 1) / (3 * kNumRanks - 1) / (kNumRanks - 1);
+    static constexpr int kSendPerPeer = kSendWarpsAPeer;
     static constexpr int kSendWarps = kSendPerPeer * (kNumRanks - 1);
     static constexpr int kNumReaders = kNumWarps - kSendWarps - 1;
-    static_assert(kNumRanks == 1 || kSendPerPeer >= 1, "too few warps for this many ranks");
+    static_assert(kNumRanks == 1 ? kSendPerPeer == 0 : kSendPerPeer >= 1, "a sending warp for each other rank");
     static_assert(kNumReaders >= 1, "too few warps for the readers");
     Role role;
     int group;          // sending group (named barrier group + 1)
@@ -397,7 +406,8 @@ __device__ __forceinline__ void copy_scales_past_held(float* to, const float* fr
     for (int s = TokenFields::kHeldScales + lane; s < num_scales; s += 32) to[s] = from[s];
 }
 
-template <int kNumRanks, int kNumThreads>
+template <int kNumRanks, int kNumThreads, int kDispatchSendWarps, int kDispatchDrainWarps, int kCombineSendWarps,
+          bool kDispatchPhased>
 __global__ void __launch_bounds__(kNumThreads, 1)
 intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x, const float* x_scales,
                    const int64_t* topk_idx, const float* topk_weights, const bool* is_token_in_rank,
@@ -416,21 +426,20 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
     if (*call_status != 0) return;  // notify found a problem: every rank stops here, before any send
     timeline_start(timeline, kNormalAtStart, channel);
 
-    using Roles = DispatchRoles<kNumRanks, kNumWarps>;
+    using Roles = DispatchRoles<kNumRanks, kNumWarps, kDispatchSendWarps, kDispatchDrainWarps, kDispatchPhased>;
     const int me = peers->nvl_rank;
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
     const Roles roles(warp, me);
     const int peer = roles.peer;
     const int warp_in_rank = roles.warp_in_group;
     const int group_thread = warp_in_rank * 32 + lane;
-    const int peer_rank = peers->rank - me + peer;
     const int num_local_experts = num_experts / kNumRanks;
-    const int64_t lo = static_cast<int64_t>(peer) * num_local_experts, hi = lo + num_local_experts;
     int begin, end;
     channel_range(num_tokens, num_channels, channel, begin, end);
 
     if (roles.role == Roles::kOwn) {
         constexpr int group_warps = Roles::kOwnWarps;
+        const int64_t lo = static_cast<int64_t>(me) * num_local_experts, hi = lo + num_local_experts;
         // My own tokens go straight from x to recv_x: their rows follow the other ranks' as for any source.
         const int64_t row0 = (me > 0 ? rank_prefix_matrix[(me - 1) * kNumRanks + me] : 0) +
                              (channel > 0 ? channel_prefix_matrix[me * num_channels + channel - 1] : 0);
@@ -458,49 +467,59 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
     }
 
     if (roles.role == Roles::kSend) {
-        constexpr int group_warps = Roles::kSendWarps > 0 ? Roles::kSendWarps : 1;  // 1 rank: never sends
-        const IntranodeLayout dst(nvl_ptr(peers, peer, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
-                                  num_topk, num_scales, 0);
-        const int q = dst.queue(channel, me);
-        if (group_thread == 0) {
-            const int start = channel > 0 ? channel_prefix_matrix[peer * num_channels + channel - 1] : 0;
-            const int finish = channel_prefix_matrix[peer * num_channels + channel];
+        constexpr int group_warps = Roles::kSendGroupWarps > 0 ? Roles::kSendGroupWarps : 1;  // 1 rank: never sends
+        if (group_thread < Roles::kPeersPerSendGroup) {  // every peer this group serves learns its count now
+            const int to = roles.send_peer(me, group_thread);
+            const IntranodeLayout dst(nvl_ptr(peers, to, kNvlHeaderBytes), kNumRanks, num_channels, 0, 0, 0, 0, 0);
+            const int q = dst.queue(channel, me);
+            const int start = channel > 0 ? channel_prefix_matrix[to * num_channels + channel - 1] : 0;
+            const int finish = channel_prefix_matrix[to * num_channels + channel];
             // Relaxed: the receiver needs these values and nothing written before them (notify's barrier already
             // ordered the zeroed control words before this kernel), and each release would stall this thread on a
             // system-scope fence (~2.5 us) before the first chunk.
             ptx::st_relaxed_sys_s32(dst.start(q), -start - 1);
             ptx::st_relaxed_sys_s32(dst.finish(q), -finish - 1);
         }
-        int tail = 0, head = 0;
-        // Chunks start at one token a warp and double up to num_max_send_tokens: the receiver's first tail comes
-        // early (a full first chunk left its drain group idle for ~25 us), later tails come rarely (each is a
-        // system-scope release that waits for the group's stores).
-        int chunk_limit = min(group_warps, num_max_send_tokens);
-        for (int t = begin; t < end; chunk_limit = min(2 * chunk_limit, num_max_send_tokens)) {
-            wait_for_ring_room(peers, "intranode_dispatch sender: ring space (head)", dst.dispatch_head(q), tail, head,
-                               num_slots, num_max_send_tokens, peer_rank, channel, lane);
-            uint32_t window = 0;
-            for (int chunk = 0, k = 32; chunk < chunk_limit && t < end; ++t, ++k) {
-                if (k == 32) window = selected_window(is_token_in_rank, t, end, peer, kNumRanks, lane), k = 0;
-                const bool selected = window >> k & 1;
-                if (group_thread == 0)
-                    send_head[static_cast<int64_t>(t) * kNumRanks + peer] = selected ? tail : -tail - 1;
-                if (!selected) continue;
-                const int slot = tail % num_slots;
-                if (chunk % group_warps == warp_in_rank) {
-                    TokenFields fields;
-                    fields.load_inputs(t, topk_idx, topk_weights, x_scales, num_topk, num_scales, lo, hi, lane);
-                    warp_copy(dst.x_slot(q, slot), x + static_cast<int64_t>(t) * x_row_int4, x_row_int4, lane);
-                    fields.store(dst.src_slot(q, slot), topk_idx != nullptr ? dst.topk_idx_slot(q, slot) : nullptr,
-                                 dst.topk_weights_slot(q, slot), dst.scales_slot(q, slot), num_topk, num_scales, lane);
-                    copy_scales_past_held(dst.scales_slot(q, slot), x_scales + static_cast<int64_t>(t) * num_scales,
-                                          num_scales, lane);
+        for (int phase = 0; phase < Roles::kPeersPerSendGroup; ++phase) {
+            const int to = roles.send_peer(me, phase);
+            const int to_rank = peers->rank - me + to;
+            const int64_t lo = static_cast<int64_t>(to) * num_local_experts, hi = lo + num_local_experts;
+            const IntranodeLayout dst(nvl_ptr(peers, to, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
+                                      num_topk, num_scales, 0);
+            const int q = dst.queue(channel, me);
+            int tail = 0, head = 0;
+            // Chunks start at one token a warp and double up to num_max_send_tokens: the receiver's first tail comes
+            // early (a full first chunk left its drain group idle for ~25 us), later tails come rarely (each is a
+            // system-scope release that waits for the group's stores).
+            int chunk_limit = min(group_warps, num_max_send_tokens);
+            for (int t = begin; t < end; chunk_limit = min(2 * chunk_limit, num_max_send_tokens)) {
+                wait_for_ring_room(peers, "intranode_dispatch sender: ring space (head)", dst.dispatch_head(q), tail,
+                                   head, num_slots, num_max_send_tokens, to_rank, channel, lane);
+                uint32_t window = 0;
+                for (int chunk = 0, k = 32; chunk < chunk_limit && t < end; ++t, ++k) {
+                    if (k == 32) window = selected_window(is_token_in_rank, t, end, to, kNumRanks, lane), k = 0;
+                    const bool selected = window >> k & 1;
+                    if (group_thread == 0)
+                        send_head[static_cast<int64_t>(t) * kNumRanks + to] = selected ? tail : -tail - 1;
+                    if (!selected) continue;
+                    const int slot = tail % num_slots;
+                    if (chunk % group_warps == warp_in_rank) {
+                        TokenFields fields;
+                        fields.load_inputs(t, topk_idx, topk_weights, x_scales, num_topk, num_scales, lo, hi, lane);
+                        warp_copy(dst.x_slot(q, slot), x + static_cast<int64_t>(t) * x_row_int4, x_row_int4, lane);
+                        fields.store(dst.src_slot(q, slot),
+                                     topk_idx != nullptr ? dst.topk_idx_slot(q, slot) : nullptr,
+                                     dst.topk_weights_slot(q, slot), dst.scales_slot(q, slot), num_topk, num_scales,
+                                     lane);
+                        copy_scales_past_held(dst.scales_slot(q, slot),
+                                              x_scales + static_cast<int64_t>(t) * num_scales, num_scales, lane);
+                    }
+                    ++tail;
+                    ++chunk;
                 }
-                ++tail;
-                ++chunk;
+                roles.sync();
+                if (group_thread == 0) ptx::st_release_sys_s32(dst.dispatch_tail(q), tail);
             }
-            roles.sync();
-            if (group_thread == 0) ptx::st_release_sys_s32(dst.dispatch_tail(q), tail);
         }
         if (group_thread == 0) timeline_mark_latest(timeline, kNormalAtSent);
     }
@@ -508,6 +527,7 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
     // Draining group: copy the ring that rank `peer` fills for this channel into recv_x.
     if (roles.role == Roles::kDrain) {
         constexpr int group_warps = Roles::kDrainWarps > 0 ? Roles::kDrainWarps : 1;
+        const int peer_rank = peers->rank - me + peer;
         const IntranodeLayout mine(nvl_ptr(peers, me, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
                                    num_topk, num_scales, 0);
         const int q = mine.queue(channel, peer);
@@ -589,7 +609,8 @@ __device__ __noinline__ void combine_channel_barrier(const PeersTable* peers, in
                                         channel_barrier_offset(channel), channel);
 }
 
-template <int kNumRanks, int kNumThreads>
+template <int kNumRanks, int kNumThreads, int kDispatchSendWarps, int kDispatchDrainWarps, int kCombineSendWarps,
+          bool kDispatchPhased>
 __global__ void __launch_bounds__(kNumThreads, 1)
 intranode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y, const float* y_topk_weights,
                   const int4* bias0, const int4* bias1, const int* rank_prefix_matrix, const int* recv_channel_offset,
@@ -603,7 +624,7 @@ intranode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y,
     const int channel = claim_channel(claims, peers, num_channels);
     if (channel < 0) return;
     timeline_start(timeline, kNormalAtStart, channel);
-    using Roles = CombineRoles<kNumRanks, kNumWarps>;
+    using Roles = CombineRoles<kNumRanks, kNumWarps, kCombineSendWarps>;
     constexpr int kNumReaders = Roles::kNumReaders;
     const int me = peers->nvl_rank;
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;

@@ -26,6 +26,7 @@ from typing import Any
 
 from .config import Config, get_combine_config, get_dispatch_config
 from .env import settings
+from .kernels.intranode import intranode_spec
 from .kernels.low_latency import deepep_low_latency_size_hint
 
 PLAIN_STORE_CEILING_GBS = 345.0  # DESIGN.md, 4 x H200, 16-byte stores from all SMs, all ranks to all peers
@@ -195,7 +196,8 @@ def _bench_ceiling(group: Any, args: argparse.Namespace) -> list[Row]:
     import epjit
 
     from . import jit
-    from .kernels import NUM_THREADS, CopyCeilingSpec
+    from .kernels import CopyCeilingSpec
+    from .kernels.intranode import NUM_THREADS
 
     r, me = group.size, group.rank
     n = _CEILING_BYTES
@@ -252,9 +254,11 @@ def _bench_ceiling(group: Any, args: argparse.Namespace) -> list[Row]:
 
 def case_config(mode: str, num_ranks: int, sms: int, chunk_send: int, chunk_recv: int) -> Config:
     """The Config a normal-mode case runs with: the operation's own default chunk (what a call without config
-    gets: combine's differs from dispatch's), or chunk_send when given. Until 2026-11-23 combine was timed with
-    dispatch's chunk (2 ranks: 16 where a plain combine call then used 12)."""
-    default = get_combine_config(num_ranks) if mode == "combine" else get_dispatch_config(num_ranks)
+    gets: combine's differs from dispatch's, and both follow the warp roles EPJIT_INTRANODE_VARIANT may set), or
+    chunk_send when given. Until 2026-11-23 combine was timed with dispatch's chunk (2 ranks: 16 where a plain
+    combine call then used 12)."""
+    spec = intranode_spec(num_ranks, **dict(settings().intranode_variant))
+    default = get_combine_config(num_ranks, spec) if mode == "combine" else get_dispatch_config(num_ranks, spec)
     return Config(sms, chunk_send or default.nvl_chunk_send, chunk_recv)
 
 
@@ -265,6 +269,8 @@ def _bench_normal(group: Any, dist: Any, args: argparse.Namespace, modes: list[s
     hint = epjit.Buffer.get_normal_size_hint(r, max(args.hidden), args.topk, args.experts,
                                              Config(max(args.sms), 1, args.chunk_recv))
     buf = epjit.Buffer(group, num_nvl_bytes=hint)
+    if group.rank == 0:  # which warp roles (EPJIT_INTRANODE_VARIANT) these rows are of
+        print(f"intranode kernels: {intranode_spec(r, **dict(settings().intranode_variant)).family}", flush=True)
     rows: list[Row] = []
     try:
         for hidden in args.hidden:

@@ -38,6 +38,7 @@ from .kernels.intranode import (
     NOTIFY_TIMELINE_POINTS,
     NUM_THREADS,
     intranode_min_nvl_bytes,
+    intranode_spec,
     normal_grid,
 )
 from .kernels.intranode import TIMELINE_POINTS as NORMAL_TIMELINE_POINTS
@@ -156,8 +157,9 @@ def _bf16() -> Any:
 
 # Configs and the NVLink bytes they need, computed once per distinct argument set (they sit on every call's path).
 @functools.lru_cache(maxsize=16)
-def _default_config(kind: str, num_ranks: int) -> Config:
-    return get_dispatch_config(num_ranks) if kind == "dispatch" else get_combine_config(num_ranks)
+def _default_config(kind: str, spec: IntranodeSpec) -> Config:
+    return get_dispatch_config(spec.num_ranks, spec) if kind == "dispatch" else get_combine_config(spec.num_ranks,
+                                                                                                  spec)
 
 
 @functools.lru_cache(maxsize=256)
@@ -486,6 +488,13 @@ class Buffer:
                     f"needs; Buffer.get_normal_size_hint(...) gives a size for given shapes"))
         self.num_nvl_bytes = int(num_nvl_bytes)
         self.num_rdma_bytes = int(num_rdma_bytes)
+        self._intranode_spec: IntranodeSpec | None = None
+        if self.num_nvl_bytes:  # the normal-mode kernels' warp roles: the defaults, or EPJIT_INTRANODE_VARIANT's
+            try:
+                self._intranode_spec = intranode_spec(self.num_ranks, NUM_THREADS,
+                                                      **dict(settings().intranode_variant))
+            except ValueError as e:
+                raise SetupError(with_rank(f"EPJIT_INTRANODE_VARIANT: {e}")) from None
         cupy = _cupy()
         self._device = cupy.cuda.Device(group.device)
         self.mem = PeerMemory.create(group, self.num_nvl_bytes, self.num_rdma_bytes)
@@ -517,7 +526,7 @@ class Buffer:
                 self._host_records[:] = self._record_pool.parts(_HOST_RECORD_BYTES)
                 self._layout_module = jit.load(LayoutSpec(), group.device)
                 self._notify_module = jit.load(IntranodeNotifySpec(self.num_ranks), group.device)
-                self._main_module = jit.load(IntranodeSpec(self.num_ranks, NUM_THREADS), group.device)
+                self._main_module = jit.load(self._intranode_spec, group.device)
             if self.low_latency_mode:
                 with self._device:
                     self._ll = _LowLatencyState(self)
@@ -1002,10 +1011,10 @@ class Buffer:
             if config is not None and config.num_channels != num_channels:
                 raise ArgumentError(with_rank(f"config.num_sms={config.num_sms} but the handle was made with "
                                               f"{num_channels} SMs"))
-            config = config or _default_config("dispatch", self.num_ranks)
+            config = config or _default_config("dispatch", self._intranode_spec)
             config = _channels_config(num_channels, config.nvl_chunk_send, config.nvl_chunk_recv)
         else:
-            config = config or _default_config("dispatch", self.num_ranks)
+            config = config or _default_config("dispatch", self._intranode_spec)
             if not isinstance(config, Config):
                 raise ArgumentTypeError(with_rank(f"config must be an epjit.Config, got {type(config).__name__}"))
             num_channels = config.num_channels
@@ -1176,7 +1185,7 @@ class Buffer:
                 b_info = arrays.check(b, f"bias[{i}]", dtype="bfloat16",
                                       shape=(("N", handle.num_tokens), ("H", handle.hidden)), device=dev)
                 biases.append(arrays.kernel_arg(b, b_info, f"bias[{i}]"))
-        base = config or _default_config("combine", self.num_ranks)
+        base = config or _default_config("combine", self._intranode_spec)
         if config is not None and config.num_channels != handle.num_channels:
             raise ArgumentError(with_rank(f"config.num_sms={config.num_sms} but combine replays the dispatch's "
                                           f"{handle.num_channels} SMs"))

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import ArgumentError, with_rank
-from .kernels.intranode import NUM_THREADS, intranode_nvl_bytes
+from .kernels.intranode import NUM_THREADS, IntranodeSpec, intranode_nvl_bytes, intranode_spec
 
 MAX_CHANNELS = 128  # every Buffer reserves control words for this many channels
 
@@ -54,45 +54,26 @@ class Config:
                                    hidden // 128 if fp8 else 0, num_experts // num_ranks)
 
 
-def dispatch_send_warps(num_ranks: int) -> int:
-    """Warps a dispatch block gives the tokens bound for each other rank (intranode.cu: DispatchRoles::kSendWarps:
-    what the own copy, W / 2R warps, and one drain group a peer, W / (2R - 1) warps, leave, split among the peers)."""
-    if num_ranks == 1:
-        return 0
-    warps = NUM_THREADS // 32
-    own = max(1, warps // (2 * num_ranks))
-    return (warps - own - (num_ranks - 1) * (warps // (2 * num_ranks - 1))) // (num_ranks - 1)
+def get_dispatch_config(num_ranks: int, spec: IntranodeSpec | None = None) -> Config:
+    """Defaults for dispatch, by rank count (and the kernel's warp roles: ``spec``, default
+    ``intranode_spec(num_ranks)``): 24 channels (one SM each), and chunks of four tokens a warp of a sending group
+    between tail updates, at least 12. Each tail update is a system-scope release (~2.5 us with nothing outstanding)
+    that stalls the group, so a chunk must outweigh it: 2 x H200, 4096 tokens, two alternating rounds, 8 warps a
+    peer: 16-token chunks 158.8 / 158.4 us FP8 and 229.3 / 228.2 bf16; 24: 152.1 / 152.7 and 224.4 / 223.6; 32: 149.0
+    / 148.9 and 225.1 / 224.3; 48: 148.9 / 149.6 and 226.3 / 226.8. Now 2 ranks: 10 warps a peer, chunks of 40; 4
+    ranks: 4 warps a peer, 16 (not measured on 4 ranks; phased, 12 warps in one group: 48)."""
+    spec = spec or intranode_spec(num_ranks)
+    return Config(24, max(12, 4 * spec.dispatch_group_send_warps), 256)
 
 
-def combine_send_warps(num_ranks: int) -> int:
-    """Warps a combine block gives the rows returning to each other rank (intranode.cu: CombineRoles::kSendPerPeer:
-    7 of 24 on 2 ranks, measured; elsewhere ~2(R-1) / (3R-1) of the block split among the peers)."""
-    warps = NUM_THREADS // 32
-    if num_ranks == 1:
-        return 0
-    if num_ranks == 2:
-        return max(1, warps * 7 // 24)
-    return warps * 2 * (num_ranks - 1) // (3 * num_ranks - 1) // (num_ranks - 1)
-
-
-def get_dispatch_config(num_ranks: int) -> Config:
-    """Defaults for dispatch, by rank count: 24 channels (one SM each), and chunks of four tokens a sending warp
-    between tail updates, at least 12. Each tail update is a system-scope release (~2.5 us with nothing
-    outstanding) that stalls the group, so a chunk must outweigh it: 2 x H200, 4096 tokens, two alternating rounds,
-    8 warps a peer: 16-token chunks 158.8 / 158.4 us FP8 and 229.3 / 228.2 bf16; 24: 152.1 / 152.7 and 224.4 /
-    223.6; 32: 149.0 / 148.9 and 225.1 / 224.3; 48: 148.9 / 149.6 and 226.3 / 226.8. Now 2 ranks: 10 warps a peer,
-    chunks of 40; 4 ranks: 4 warps a peer, 16 (not measured on 4 ranks)."""
-    return Config(24, max(12, 4 * dispatch_send_warps(num_ranks)), 256)
-
-
-def get_combine_config(num_ranks: int) -> Config:
-    """Defaults for combine, by rank count: the same channels as dispatch (combine replays its channels), and
-    chunks of about 12 rows, rounded up to a whole number of rows a sending warp: a combine reader waits for the
-    chunk holding its token's row, so large chunks leave the readers a chunk behind the senders (2 x H200, 4096
-    tokens, alternating runs, 9 senders: 18-row chunks 274-277 us, 9-row 236-237, 12-row 233-234; 7 senders: 12
-    rows 219.3 / 219.7, 14 rows 216.8 / 216.9; dispatch's drains copy rows as they come and take larger chunks).
-    2 ranks: 14 rows; 4 and 8 ranks: 12."""
-    senders = max(1, combine_send_warps(num_ranks))
+def get_combine_config(num_ranks: int, spec: IntranodeSpec | None = None) -> Config:
+    """Defaults for combine, by rank count (and the kernel's sending warps: ``spec``): the same channels as dispatch
+    (combine replays its channels), and chunks of about 12 rows, rounded up to a whole number of rows a sending
+    warp: a combine reader waits for the chunk holding its token's row, so large chunks leave the readers a chunk
+    behind the senders (2 x H200, 4096 tokens, alternating runs, 9 senders: 18-row chunks 274-277 us, 9-row 236-237,
+    12-row 233-234; 7 senders: 12 rows 219.3 / 219.7, 14 rows 216.8 / 216.9; dispatch's drains copy rows as they
+    come and take larger chunks). 2 ranks: 14 rows; 4 and 8 ranks: 12."""
+    senders = max(1, (spec or intranode_spec(num_ranks)).combine_send_warps)
     return Config(24, -(-12 // senders) * senders, 256)
 
 

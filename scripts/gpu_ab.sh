@@ -4,6 +4,8 @@
 #   here:        bash scripts/gpu_ab.sh prepare REV [NAME]   (REV's epjit/ and cuda_src/ under .ab/NAME, ignored;
 #                                                             NAME defaults to base and replaces every variant)
 #                bash scripts/gpu_ab.sh save NAME            (the working tree's epjit/ and cuda_src/ as a variant)
+#                bash scripts/gpu_ab.sh variant NAME VAR=VALUE...  (the working tree run with these settings, e.g.
+#                                                             EPJIT_INTRANODE_VARIANT=dispatch_phased=1)
 #   GPU machine: source .device/setup.sh && bash scripts/gpu_ab.sh run [rounds] [bench arguments...]
 # (carry [".device", ".ab"]). Each round runs every variant in name order, then the working tree; JSON and logs
 # under $OUT, then one table a variant.
@@ -22,6 +24,13 @@ case ${1:-} in
     find ".ab/$name" -name __pycache__ -prune -exec rm -rf {} +
     echo "working tree at $(git rev-parse --short HEAD) + edits" > ".ab/$name/.rev"
     echo "A/B variant $name saved";;
+  variant)
+    name=${2:?usage: gpu_ab.sh variant NAME VAR=VALUE...}
+    shift 2
+    rm -rf ".ab/$name" && mkdir -p ".ab/$name"
+    printf '%s\n' "$@" > ".ab/$name/.env"
+    echo "working tree with $*" > ".ab/$name/.rev"
+    echo "A/B variant $name: $*";;
   run)
     shift
     rounds=${1:-2}; shift || true
@@ -34,9 +43,12 @@ case ${1:-} in
       for side in $sides new; do
         # Each side runs from its own tree: `python -m` puts the working directory first on sys.path, ahead of
         # PYTHONPATH, so the tree a command starts in is the epjit it imports (and launches on every rank).
-        dir=$PWD
-        [ $side = new ] || dir=$PWD/.ab/$side
-        (cd "$dir" && python3 -m epjit.launch -n "$n" -m epjit.bench --json "$OUT/ab-$side-$round.json" "$@") \
+        # A side with a tree of its own runs it; a settings-only side (variant) runs the working tree.
+        dir=$PWD settings=()
+        [ $side = new ] || [ ! -d ".ab/$side/epjit" ] || dir=$PWD/.ab/$side
+        [ $side = new ] || [ ! -f ".ab/$side/.env" ] || mapfile -t settings < ".ab/$side/.env"
+        (cd "$dir" && env "${settings[@]}" python3 -m epjit.launch -n "$n" -m epjit.bench \
+           --json "$OUT/ab-$side-$round.json" "$@") \
           > "$OUT/ab-$side-$round.log" 2>&1 || { echo "$side round $round failed"; tail -20 "$OUT/ab-$side-$round.log"; }
       done
     done
@@ -45,5 +57,5 @@ case ${1:-} in
       python3 -m epjit.bench --summary "$OUT"/ab-$side-*.json
     done
     (cd "$OUT" && tar czf ab-logs.tgz --remove-files ab-*.log ab-*.json);;
-  *) echo "usage: gpu_ab.sh prepare REV [NAME] | save NAME | run [rounds] [bench arguments...]"; exit 2;;
+  *) echo "usage: gpu_ab.sh prepare REV [NAME] | save NAME | variant NAME VAR=VALUE... | run [rounds] [bench arguments...]"; exit 2;;
 esac

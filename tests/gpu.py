@@ -33,7 +33,7 @@ def require_gpus(n: int) -> None:
     if _GPUS is None:
         _GPUS = gpu_count()
     if _GPUS < n:
-        pytest.skip(f"needs {n} GPUs, this machine has {_GPUS}")
+        pytest.skip(f"needs {n} GPU{'s' if n > 1 else ''}, this machine has {_GPUS}")
 
 
 # The rank counts of the multi-rank tests. A "-shared" case runs where the machine has fewer GPUs than ranks (at least

@@ -10,8 +10,6 @@ from epjit import ArgumentError, Config
 from epjit.config import (
     COMBINE_READERS,
     MAX_CHANNELS,
-    combine_send_warps,
-    dispatch_send_warps,
     get_combine_config,
     get_dispatch_config,
     normal_size_hint,
@@ -22,8 +20,10 @@ from epjit.kernels.intranode import (
     META_COMPARED,
     META_INTS,
     NUM_THREADS,
+    IntranodeSpec,
     intranode_min_nvl_bytes,
     intranode_nvl_bytes,
+    intranode_spec,
     normal_grid,
 )
 
@@ -43,34 +43,60 @@ def test_config_rejects_what_would_deadlock_or_not_launch():
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 def test_defaults_are_valid_and_share_channels(ranks):
     d, c = get_dispatch_config(ranks), get_combine_config(ranks)
+    spec = intranode_spec(ranks)
     assert d.num_sms <= 24 and d.num_channels == c.num_channels
     # Combine readers wait for whole chunks (18 rows cost 2 x H200 ~40 us): ~12 rows, whole rows a sending warp.
     assert c.nvl_chunk_send == {2: 14, 4: 12, 8: 12}[ranks]
-    assert c.nvl_chunk_send % max(1, combine_send_warps(ranks)) == 0
+    assert c.nvl_chunk_send % spec.combine_send_warps == 0
     # Dispatch: four tokens a sending warp between tail updates (2 x H200: FP8 158.6 -> 149.0 us with 32, not 16).
-    assert d.nvl_chunk_send == max(12, 4 * dispatch_send_warps(ranks))
+    assert d.nvl_chunk_send == max(12, 4 * spec.dispatch_send_warps)
     assert d.nvl_chunk_recv >= d.nvl_chunk_send + COMBINE_READERS
 
 
-def test_warp_roles_mirror_the_kernel():
-    """The host's sending-warp counts (which size the default chunks) follow DispatchRoles / CombineRoles: dispatch
-    senders get what the own copy and the drain groups leave, and combine's senders and readers together fill the
-    block."""
+def test_default_warp_roles():
+    """The measured roles (kernels/intranode.py): dispatch senders get what the own copy and the drain groups leave,
+    combine's senders, coordinator and readers fill the block; the kernel takes them as template parameters."""
+    roles = {r: intranode_spec(r) for r in (1, 2, 4, 8)}
+    assert [(s.dispatch_send_warps, s.dispatch_drain_warps) for s in roles.values()] == [(0, 0), (10, 8), (4, 3),
+                                                                                         (2, 1)]
+    assert [s.combine_send_warps for s in roles.values()] == [0, 7, 4, 2]
     warps = NUM_THREADS // 32
-    assert [dispatch_send_warps(r) for r in (1, 2, 4, 8)] == [0, 10, 4, 2]
-    assert [combine_send_warps(r) for r in (1, 2, 4, 8)] == [0, 7, 4, 2]
-    for r in (2, 4, 8):
-        own, drain = warps // (2 * r), warps // (2 * r - 1)  # DispatchRoles::kOwnWarps, kDrainWarps
-        assert own >= 1 and dispatch_send_warps(r) >= drain >= 1
-        assert own + (r - 1) * (drain + dispatch_send_warps(r)) <= warps
-        assert (r - 1) * combine_send_warps(r) + 1 < warps  # a coordinator and at least one reader remain
-    source = (CUDA_SRC / "intranode.cu").read_text()
+    for r, s in roles.items():
+        assert warps - (r - 1) * (s.dispatch_send_warps + s.dispatch_drain_warps) == {1: 24, 2: 6, 4: 3, 8: 3}[r]
+        assert (r - 1) * s.combine_send_warps + 1 < warps  # a coordinator and at least one reader remain
     assert f"kMaxChannels = {MAX_CHANNELS};" in (CUDA_SRC / "intranode.cuh").read_text()
-    assert "(kNumWarps < 4 * kNumRanks ? 1 : kNumWarps / (2 * kNumRanks))" in source  # kOwnWarps
-    assert "kDrainWarps = kPeers == 0 ? 0 : kNumWarps / kGroups" in source
-    assert "kSendWarps = kPeers == 0 ? 0 : (kNumWarps - kOwnWarps - kPeers * kDrainWarps) / kPeers" in source
-    assert "kNumRanks == 2 ? (kNumWarps * 7 / 24 > 0 ? kNumWarps * 7 / 24 : 1)" in source
-    assert "kNumWarps * 2 * (kNumRanks - 1) / (3 * kNumRanks - 1) / (kNumRanks - 1)" in source
+
+
+def test_variant_specs_and_their_chunks():
+    """EPJIT_INTRANODE_VARIANT's fields: a phased dispatch sends with one group of every sending warp, and its
+    chunks grow with the group (four tokens a warp); combine's chunks stay whole rows a sending warp."""
+    phased = intranode_spec(4, dispatch_phased=1, combine_send_warps=3)
+    assert phased.dispatch_phased and phased.dispatch_group_send_warps == 12
+    assert get_dispatch_config(4, phased).nvl_chunk_send == 48
+    assert get_combine_config(4, phased).nvl_chunk_send == 12
+    assert get_combine_config(4, intranode_spec(4, combine_send_warps=5)).nvl_chunk_send == 15
+    assert "dispatch_phased=true" in phased.family and "combine_send_warps=3" in phased.family
+    with pytest.raises(ValueError, match="no tunable field"):
+        intranode_spec(4, num_ranks=2)
+    with pytest.raises(ValueError, match="cannot form the dispatch groups"):
+        intranode_spec(4, dispatch_send_warps=6)  # 3 x (6 + 3) = 27 warps of 24
+    with pytest.raises(ValueError, match="cannot hold 8 combine sending warps"):
+        intranode_spec(4, combine_send_warps=8)
+    with pytest.raises(ValueError, match="one rank has no peer"):
+        IntranodeSpec(1, NUM_THREADS, 1, 0, 0, False)
+
+
+def test_variant_setting_is_parsed_and_checked(monkeypatch):
+    from epjit.env import settings
+
+    monkeypatch.setenv("EPJIT_INTRANODE_VARIANT", " dispatch_phased=1, combine_send_warps=3 ")
+    assert settings().intranode_variant == (("dispatch_phased", 1), ("combine_send_warps", 3))
+    for bad in ("dispatch_phased", "dispatch_phased=yes", "=3"):
+        monkeypatch.setenv("EPJIT_INTRANODE_VARIANT", bad)
+        with pytest.raises(ValueError, match="is not name=integer"):
+            settings()
+    monkeypatch.delenv("EPJIT_INTRANODE_VARIANT")
+    assert settings().intranode_variant == ()
 
 
 def test_buffer_for_4096x7168_default_config_is_at_most_1_gib():

@@ -36,6 +36,27 @@ def test_intranode_against_reference(n, shared):
     print("\n".join(str(r) for r in results))
 
 
+# EPJIT_INTRANODE_VARIANT's warp roles beside the defaults (the variants the 4-rank A/B times): the phased dispatch
+# and other combine sender counts must give the same bits as the reference, through each script's quick cases.
+VARIANTS = {"phased-combine3": "dispatch_phased=1,combine_send_warps=3", "combine5": "combine_send_warps=5"}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("n, shared", [p for p in RANKS if p.values[0] <= 4])
+def test_intranode_variants_against_reference(variant, n, shared):
+    env = placement(n, shared)
+    pytest.importorskip("torch")
+    env = {"EPJIT_TIMEOUT_S": "60", "EPJIT_INTRANODE_VARIANT": VARIANTS[variant], **env}
+    code, output, results = run_ranks("launch", n, "tests/ranks/intranode.py", "--quick", "--loops", "20", env=env,
+                                      timeout=400)
+    assert code == 0, output[-8000:]
+    assert len(results) == n, output[-4000:]
+    for r in results:
+        assert r["loops_identical"], r
+        for setting in VARIANTS[variant].replace("=1", "=true").split(","):
+            assert setting in r["kernels"], r["kernels"]
+
+
 def test_a_rank_that_never_arrives_times_out_naming_it():
     env = two_ranks()
     pytest.importorskip("torch")

@@ -233,31 +233,34 @@ def test_ptxas_resources_of_the_intranode_kernels(capsys):
     """`--resources` reads ptxas's report without a GPU; the intranode kernels fit 768 threads and barely spill
     (a fully predicated warp_copy batch once spilled 128-216 bytes in dispatch's hot loop)."""
     from epjit.jit.compiler import ptxas_resources
-    from epjit.kernels import IntranodeSpec
+    from epjit.kernels import intranode_spec
 
-    res = ptxas_resources(IntranodeSpec(4, 768), "sm_90")
+    res = ptxas_resources(intranode_spec(4), "sm_90")
     assert set(res) == {"intranode_dispatch", "intranode_combine"}, res
     for r in res.values():
         assert 0 < r.registers <= 65536 // 768 // 8 * 8, r  # __launch_bounds__(768, 1)
     assert res["intranode_dispatch"].spill_stores <= 64, res["intranode_dispatch"]
     from epjit.jit.__main__ import _print_resources  # what `python -m epjit.jit --check --resources` prints
 
-    _print_resources(IntranodeSpec(4, 768), "sm_90")
+    _print_resources(intranode_spec(4), "sm_90")
     printed = capsys.readouterr().out
     assert re.search(r"intranode_dispatch\s+\d+ registers, +\d+ B stack", printed), printed
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 def test_intranode_compiles_with_the_fewest_warps_its_spec_accepts(ranks, tmp_path, monkeypatch):
-    """IntranodeSpec accepts one warp a dispatch group (2R - 1 warps); the kernel's DispatchRoles must then still
-    give every role a warp (its static_asserts are what would fail), and one warp fewer is refused on the host."""
-    from epjit.kernels import IntranodeSpec
+    """intranode_spec accepts one warp a dispatch group (2R - 1 warps); the kernel's DispatchRoles and CombineRoles
+    must then still give every role a warp (their static_asserts are what would fail), and one warp fewer is
+    refused on the host."""
+    from epjit.kernels import intranode_spec
 
     monkeypatch.setenv("EPJIT_CACHE_DIR", str(tmp_path / "cache"))
     warps = 2 * ranks - 1
-    assert compile_spec(IntranodeSpec(ranks, 32 * warps), "sm_90").lowered_names["intranode_dispatch"]
+    spec = intranode_spec(ranks, 32 * warps)
+    assert (spec.dispatch_send_warps, spec.dispatch_drain_warps, spec.combine_send_warps) == (1, 1, 1)
+    assert compile_spec(spec, "sm_90").lowered_names["intranode_dispatch"]
     with pytest.raises(ValueError, match="cannot form"):
-        IntranodeSpec(ranks, 32 * (warps - 1))
+        intranode_spec(ranks, 32 * (warps - 1))
 
 
 def test_programmatic_launch_config():

@@ -51,8 +51,20 @@ class IntranodeNotifySpec(KernelSpec):
 
 @dataclass(frozen=True)
 class IntranodeSpec(KernelSpec):
+    """cuda_src/intranode.cu's dispatch and combine. Past the ranks and the block size, the fields say how a block's
+    warps split into roles (DispatchRoles, CombineRoles): the host sizes the default chunks by the same numbers the
+    kernel runs. :func:`intranode_spec` gives the measured defaults; EPJIT_INTRANODE_VARIANT overrides them (env.py).
+
+    dispatch_send_warps / dispatch_drain_warps: a peer each (the own copy gets the warps they leave);
+    combine_send_warps: a peer (then one coordinator warp, then readers); dispatch_phased: one sending group of
+    every sending warp serves the peers one at a time, in turn (NCCL's p2p schedule), instead of a group a peer."""
+
     num_ranks: int
     num_threads: int
+    dispatch_send_warps: int
+    dispatch_drain_warps: int
+    combine_send_warps: int
+    dispatch_phased: bool
 
     SOURCE = "intranode.cu"
     KERNELS = {
@@ -73,12 +85,72 @@ class IntranodeSpec(KernelSpec):
             ("out_topk_weights", "float*"), ("num_tokens", "int"), ("hidden", "int"), ("num_topk", "int"),
             ("num_channels", "int"), ("num_slots", "int"), ("num_max_send_tokens", "int"), ("timeline", "uint64_t*")),
     }
+    # The fields EPJIT_INTRANODE_VARIANT may set (the others follow from the Buffer).
+    TUNABLE = ("dispatch_send_warps", "dispatch_drain_warps", "combine_send_warps", "dispatch_phased")
 
     def __post_init__(self) -> None:
-        groups = 2 * (self.num_ranks - 1) + 1  # DispatchRoles: send to and drain each other rank, own copy
-        if self.num_threads // 32 < groups or groups > 15:
-            raise ValueError(f"{self.num_threads // 32} warps cannot form the {groups} dispatch groups of "
-                             f"{self.num_ranks} ranks (one warp and one named barrier each, 15 barriers)")
+        warps, peers = self.num_threads // 32, self.num_ranks - 1
+        send, drain, combine = self.dispatch_send_warps, self.dispatch_drain_warps, self.combine_send_warps
+        split = f"{send} sending / {drain} draining warps a peer"
+        if self.num_threads % 32 or self.num_ranks < 1:
+            raise ValueError(f"IntranodeSpec: {self.num_threads} threads / {self.num_ranks} ranks")
+        if peers == 0:
+            if send or drain or combine or self.dispatch_phased:
+                raise ValueError("IntranodeSpec: one rank has no peer to send to or drain (warps must be 0)")
+            return
+        groups = (1 if self.dispatch_phased else peers) + peers + 1  # DispatchRoles::kGroups
+        if send < 1 or drain < 1 or warps - peers * (send + drain) < 1 or groups > 15:
+            raise ValueError(f"{warps} warps cannot form the dispatch groups of {self.num_ranks} ranks with {split} "
+                             "(every role needs a warp, the own copy what is left; one named barrier a group, 15)")
+        if combine < 1 or warps - peers * combine - 1 < 1:
+            raise ValueError(f"{warps} warps cannot hold {combine} combine sending warps for each of {peers} peers, "
+                             "a coordinator and at least one reader")
+
+    @property
+    def dispatch_group_send_warps(self) -> int:
+        """Warps of one sending group (DispatchRoles::kSendGroupWarps): the chunks are sized by it."""
+        return self.dispatch_send_warps * (self.num_ranks - 1 if self.dispatch_phased else 1)
+
+
+def default_dispatch_warps(num_ranks: int, num_warps: int) -> tuple[int, int]:
+    """(sending, draining) warps a peer of a dispatch block: senders set the pace (a drain copies what has arrived),
+    so they get what the own copy (at least one warp, then W / 2R) and one drain group a peer (W / (2R - 1) warps)
+    leave: 10 / 8 (own 6) on 2 ranks, 4 / 3 (own 3) on 4, 2 / 1 (own 3) on 8. On 2 x H200, equal groups had the own
+    copy done at ~65% of the senders' time; roles 9 / 9 / 6, 10 / 9 / 5 and 11 / 7 / 6 took 216.3, 224.1 and 217.5
+    us against 211.5 for these."""
+    peers = num_ranks - 1
+    if peers == 0:
+        return 0, 0
+    own = 1 if num_warps < 4 * num_ranks else num_warps // (2 * num_ranks)
+    drain = num_warps // (2 * peers + 1)
+    return (num_warps - own - peers * drain) // peers, drain
+
+
+def default_combine_send_warps(num_ranks: int, num_warps: int) -> int:
+    """Sending warps a peer of a combine block: ~2(R-1) / (2(R-1) + R + 1) of the block (a reader reads R rows and
+    writes one for every row a sender copies; copies count a read and a write), split among the peers; 2 ranks: 7
+    of 24 (measured: 6 / 7 / 8 / 9 / 11 senders took 221.6 / 219.5 / 221.4 / 225.4 / 247.3 us on 2 x H200; NVLink,
+    not their warps, limits the senders there). 4 and 8 ranks keep the formula until measured."""
+    if num_ranks == 1:
+        return 0
+    if num_ranks == 2:
+        return max(1, num_warps * 7 // 24)
+    return num_warps * 2 * (num_ranks - 1) // (3 * num_ranks - 1) // (num_ranks - 1)
+
+
+def intranode_spec(num_ranks: int, num_threads: int = NUM_THREADS, /, **overrides: int) -> IntranodeSpec:
+    """The dispatch/combine spec for this many ranks: the default warp roles, with ``overrides`` (names from
+    IntranodeSpec.TUNABLE) in their place."""
+    unknown = set(overrides) - set(IntranodeSpec.TUNABLE)
+    if unknown:
+        raise ValueError(f"IntranodeSpec has no tunable field {sorted(unknown)}; it has {list(IntranodeSpec.TUNABLE)}")
+    send, drain = default_dispatch_warps(num_ranks, num_threads // 32)
+    fields: dict[str, int] = {"dispatch_send_warps": send, "dispatch_drain_warps": drain,
+                              "combine_send_warps": default_combine_send_warps(num_ranks, num_threads // 32),
+                              "dispatch_phased": False}
+    fields.update(overrides)
+    return IntranodeSpec(num_ranks, num_threads, fields["dispatch_send_warps"], fields["dispatch_drain_warps"],
+                         fields["combine_send_warps"], bool(fields["dispatch_phased"]))
 
 
 def normal_grid(num_channels: int, num_device_sms: int) -> int:

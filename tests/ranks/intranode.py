@@ -202,7 +202,7 @@ def main() -> int:
     torch.cuda.set_device(group.device)
     R, rank = group.size, group.rank
     buf = epjit.Buffer(group, num_nvl_bytes=epjit.Buffer.get_normal_size_hint(R, 7168, 8, 256))
-    result: dict = {"rank": rank, "size": R, "cases": 0}
+    result: dict = {"rank": rank, "size": R, "cases": 0, "kernels": buf._intranode_spec.family}
     start = time.perf_counter()
     try:
         cases = []
