@@ -56,3 +56,11 @@ def test_each_operation_is_timed_with_its_own_default_chunk(ranks):
     assert bench.case_config("combine", ranks, 16, 20, 256).nvl_chunk_send == 20  # --chunk-send wins
     # On 2 ranks the two defaults differ, which is what the benchmark once missed.
     assert ranks != 2 or get_combine_config(2).nvl_chunk_send != get_dispatch_config(2).nvl_chunk_send
+
+
+def test_a_variant_run_is_timed_with_its_own_chunks(monkeypatch):
+    """Under EPJIT_INTRANODE_VARIANT (scripts/gpu_variants.sh) each case gets the chunks a plain call of that variant
+    gets: a phased dispatch sends 48-token chunks on 4 ranks (12 warps in one group), a 5-sender combine 15 rows."""
+    monkeypatch.setenv("EPJIT_INTRANODE_VARIANT", "dispatch_phased=1,combine_send_warps=5")
+    assert bench.case_config("dispatch", 4, 24, 0, 256).nvl_chunk_send == 48
+    assert bench.case_config("combine", 4, 24, 0, 256).nvl_chunk_send == 15
