@@ -57,5 +57,6 @@ case ${1:-} in
       python3 -m epjit.bench --summary "$OUT"/ab-$side-*.json
     done
     (cd "$OUT" && tar czf ab-logs.tgz --remove-files ab-*.log ab-*.json);;
-  *) echo "usage: gpu_ab.sh prepare REV [NAME] | save NAME | variant NAME VAR=VALUE... | run [rounds] [bench arguments...]"; exit 2;;
+  *) echo "usage: gpu_ab.sh prepare REV [NAME] | save NAME | variant NAME VAR=VALUE... |" \
+          "run [rounds] [bench arguments...]"; exit 2;;
 esac
