@@ -26,7 +26,7 @@ from typing import Any
 
 from .config import Config, get_combine_config, get_dispatch_config
 from .env import settings
-from .kernels.intranode import intranode_spec
+from .kernels.intranode import configured_intranode_spec
 from .kernels.low_latency import deepep_low_latency_size_hint
 
 PLAIN_STORE_CEILING_GBS = 345.0  # DESIGN.md, 4 x H200, 16-byte stores from all SMs, all ranks to all peers
@@ -257,7 +257,7 @@ def case_config(mode: str, num_ranks: int, sms: int, chunk_send: int, chunk_recv
     gets: combine's differs from dispatch's, and both follow the warp roles EPJIT_INTRANODE_VARIANT may set), or
     chunk_send when given. Until 2026-11-23 combine was timed with dispatch's chunk (2 ranks: 16 where a plain
     combine call then used 12)."""
-    spec = intranode_spec(num_ranks, **dict(settings().intranode_variant))
+    spec = configured_intranode_spec(num_ranks)
     default = get_combine_config(num_ranks, spec) if mode == "combine" else get_dispatch_config(num_ranks, spec)
     return Config(sms, chunk_send or default.nvl_chunk_send, chunk_recv)
 
@@ -270,7 +270,7 @@ def _bench_normal(group: Any, dist: Any, args: argparse.Namespace, modes: list[s
                                              Config(max(args.sms), 1, args.chunk_recv))
     buf = epjit.Buffer(group, num_nvl_bytes=hint)
     if group.rank == 0:  # which warp roles (EPJIT_INTRANODE_VARIANT) these rows are of
-        print(f"intranode kernels: {intranode_spec(r, **dict(settings().intranode_variant)).family}", flush=True)
+        print(f"intranode kernels: {configured_intranode_spec(r).family}", flush=True)
     rows: list[Row] = []
     try:
         for hidden in args.hidden:

@@ -37,8 +37,8 @@ from .kernels.intranode import (
     META_INTS,
     NOTIFY_TIMELINE_POINTS,
     NUM_THREADS,
+    configured_intranode_spec,
     intranode_min_nvl_bytes,
-    intranode_spec,
     normal_grid,
 )
 from .kernels.intranode import TIMELINE_POINTS as NORMAL_TIMELINE_POINTS
@@ -156,12 +156,6 @@ def _bf16() -> Any:
 
 
 # Configs and the NVLink bytes they need, computed once per distinct argument set (they sit on every call's path).
-@functools.lru_cache(maxsize=16)
-def _default_config(kind: str, spec: IntranodeSpec) -> Config:
-    return get_dispatch_config(spec.num_ranks, spec) if kind == "dispatch" else get_combine_config(spec.num_ranks,
-                                                                                                  spec)
-
-
 @functools.lru_cache(maxsize=256)
 def _channels_config(num_sms: int, nvl_chunk_send: int, nvl_chunk_recv: int) -> Config:
     return Config(num_sms, nvl_chunk_send, nvl_chunk_recv)
@@ -491,10 +485,12 @@ class Buffer:
         self._intranode_spec: IntranodeSpec | None = None
         if self.num_nvl_bytes:  # the normal-mode kernels' warp roles: the defaults, or EPJIT_INTRANODE_VARIANT's
             try:
-                self._intranode_spec = intranode_spec(self.num_ranks, NUM_THREADS,
-                                                      **dict(settings().intranode_variant))
+                self._intranode_spec = configured_intranode_spec(self.num_ranks)
             except ValueError as e:
                 raise SetupError(with_rank(f"EPJIT_INTRANODE_VARIANT: {e}")) from None
+            # What a call without a config gets (chunks sized by the spec's sending warps).
+            self._dispatch_config = get_dispatch_config(self.num_ranks, self._intranode_spec)
+            self._combine_config = get_combine_config(self.num_ranks, self._intranode_spec)
         cupy = _cupy()
         self._device = cupy.cuda.Device(group.device)
         self.mem = PeerMemory.create(group, self.num_nvl_bytes, self.num_rdma_bytes)
@@ -1011,10 +1007,10 @@ class Buffer:
             if config is not None and config.num_channels != num_channels:
                 raise ArgumentError(with_rank(f"config.num_sms={config.num_sms} but the handle was made with "
                                               f"{num_channels} SMs"))
-            config = config or _default_config("dispatch", self._intranode_spec)
+            config = config or self._dispatch_config
             config = _channels_config(num_channels, config.nvl_chunk_send, config.nvl_chunk_recv)
         else:
-            config = config or _default_config("dispatch", self._intranode_spec)
+            config = config or self._dispatch_config
             if not isinstance(config, Config):
                 raise ArgumentTypeError(with_rank(f"config must be an epjit.Config, got {type(config).__name__}"))
             num_channels = config.num_channels
@@ -1185,7 +1181,7 @@ class Buffer:
                 b_info = arrays.check(b, f"bias[{i}]", dtype="bfloat16",
                                       shape=(("N", handle.num_tokens), ("H", handle.hidden)), device=dev)
                 biases.append(arrays.kernel_arg(b, b_info, f"bias[{i}]"))
-        base = config or _default_config("combine", self._intranode_spec)
+        base = config or self._combine_config
         if config is not None and config.num_channels != handle.num_channels:
             raise ArgumentError(with_rank(f"config.num_sms={config.num_sms} but combine replays the dispatch's "
                                           f"{handle.num_channels} SMs"))

@@ -51,13 +51,13 @@ def _assignments(name: str) -> tuple[tuple[str, int], ...]:
     raw = os.environ.get(name, "").strip()
     pairs = []
     for item in filter(None, (part.strip() for part in raw.split(","))):
-        key, eq, value = item.partition("=")
+        key, _, value = item.partition("=")
         try:
+            if not key.strip():
+                raise ValueError
             pairs.append((key.strip(), int(value)))
         except ValueError:
             raise ValueError(f"{name}={raw!r}: {item!r} is not name=integer") from None
-        if not eq or not key.strip():
-            raise ValueError(f"{name}={raw!r}: {item!r} is not name=integer")
     return tuple(pairs)
 
 

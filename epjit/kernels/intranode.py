@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..env import settings
 from ..jit.spec import KernelSpec
 
 PEERS = ("peers", "const PeersTable*")
@@ -151,6 +152,11 @@ def intranode_spec(num_ranks: int, num_threads: int = NUM_THREADS, /, **override
     fields.update(overrides)
     return IntranodeSpec(num_ranks, num_threads, fields["dispatch_send_warps"], fields["dispatch_drain_warps"],
                          fields["combine_send_warps"], bool(fields["dispatch_phased"]))
+
+
+def configured_intranode_spec(num_ranks: int) -> IntranodeSpec:
+    """What a Buffer of this many ranks runs: the default warp roles with EPJIT_INTRANODE_VARIANT's overrides."""
+    return intranode_spec(num_ranks, NUM_THREADS, **dict(settings().intranode_variant))
 
 
 def normal_grid(num_channels: int, num_device_sms: int) -> int:
