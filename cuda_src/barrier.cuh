@@ -18,7 +18,7 @@ constexpr int kBarrierTag = 1 << 20;
 
 // `channel` names the wait in a timeout report (-1: the block's index). kFenceFirst = false is for a caller whose
 // only writes a peer must see are thread t's, for peer t: thread t's own releases below carry them, and the
-// block-wide system fence (~1-2 us) is skipped.
+// block-wide system fence is skipped.
 template <int kNumNvlRanks, bool kFenceFirst = true>
 __device__ __forceinline__ void nvl_barrier_block(const PeersTable* peers, const char* site,
                                                   int64_t row_offset = kNvlBarrierOffset, int channel = -1) {

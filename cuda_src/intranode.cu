@@ -1,4 +1,5 @@
-// Normal-mode dispatch and combine inside one NVLink node (DeepEP's intranode kernels; seed 001).
+// Normal-mode dispatch and combine inside one NVLink node (DeepEP's intranode kernels; why this shape: docs/design.md;
+// the buffer layout: intranode.cuh and docs/layouts.md).
 //
 //   notify     block 0: write my counts into every peer's buffer and zero my queues' dispatch words, barrier,
 //              then build rank_prefix_matrix and what the host needs; blocks 1..R build channel_prefix_matrix
@@ -18,8 +19,8 @@
 //              reader warps sum, for each token of the channel, the rows its receipts point at; a coordinator
 //              warp moves each ring's head to the slowest reader.
 //
-// Why every block does every job: an SM copies at most ~47 GB/s whether the bytes go to a peer over NVLink or
-// stay in this GPU (`python -m epjit.bench --modes ceiling`, 2 x H200), so the SMs are the budget, and dispatch
+// Why every block does every job: an SM copies no faster locally than over NVLink, and a few SMs already fill the
+// link to one peer (the benchmark's copy ceilings: docs/performance.md), so the SMs are the budget, and dispatch
 // spends them on R - 1 rings out, R - 1 rings in and the own copy. Blocks specialised as senders or receivers
 // (DeepEP's layout) leave one kind idle while the other finishes; one block a channel doing all three keeps the
 // bytes per SM equal whatever the rank count.
@@ -108,12 +109,12 @@ __device__ __forceinline__ void wait_for_ring_room(const PeersTable* peers, cons
 // parameter (epjit/kernels/intranode.py: intranode_spec, which also sizes the chunks by it). Senders set the pace (a
 // drain copies what has arrived; more sending warps, not fewer round trips a row, sped them up), so by default they
 // get what the own copy (W / 2R) and the drains (W / (2R - 1) a peer) leave: 10 / 8 / 6 on 2 ranks, 4 / 3 / 3 a peer
-// on 4 (equal groups had the own copy done at ~65% of the senders' time on 2 x H200).
+// on 4 (with equal groups the own copy finished well before the senders: docs/history.md).
 //
 // kPhased: one sending group of all the sending warps, serving the peers one at a time: me + 1, then me + 2, ...
-// While the ranks keep step, each GPU is then written by one peer at a time (NCCL's p2p schedule: the `rotate` copy
-// pattern reached 318-322 GB/s out of each of 4 x H200 where every peer at once, `peers`, reached 229-236; see
-// `python -m epjit.bench --modes ceiling`). A channel's share for one peer fits its ring (~150 tokens of 256 slots
+// While the ranks keep step, each GPU is then written by one peer at a time (NCCL's p2p schedule: on 4 ranks the
+// `rotate` copy pattern reached well above every peer at once, `peers`, with the same SMs; docs/performance.md).
+// A channel's share for one peer fits its ring (~150 tokens of 256 slots
 // at 4096 tokens x 24 channels), so a phase rarely waits for the drain.
 template <int kNumRanks, int kNumWarps, int kSendWarpsAPeer, int kDrainWarpsAPeer, bool kPhased>
 struct DispatchRoles {
@@ -156,9 +157,9 @@ struct DispatchRoles {
 // The warps of a combine block: sending groups first (one per other rank, kSendPerPeer warps each, named barrier
 // group + 1), then the coordinator, then the readers. A reader reads R rows and writes one for every row a sender
 // copies, so readers get the larger share: by default send warps ~ 2(R-1) / (2(R-1) + R + 1) of the block (copies
-// count a read and a write), except on 2 ranks: the formula gives 9 of 24 warps, but 7 are faster (2 x H200, 4096
-// tokens, chunk 12: 6 / 7 / 8 / 9 / 11 senders 221.6 / 219.5 / 221.4 / 225.4 / 247.3 us): NVLink, not their warps,
-// limits the senders there, and the two warps they give up serve the readers (epjit/kernels/intranode.py).
+// count a read and a write), except on 2 ranks: the formula gives 9 of 24 warps, but 7 are faster (measured:
+// docs/history.md): NVLink, not their warps, limits the senders there, and the two warps they give up serve the
+// readers (epjit/kernels/intranode.py).
 template <int kNumRanks, int kNumWarps, int kSendWarpsAPeer>
 struct CombineRoles {
     enum Role { kSend, kCoordinator, kRead };
@@ -225,7 +226,7 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
         }
         __syncthreads();
         // Prefix sum over channels by one warp, 32 channels a step (a serial loop through global memory, each
-        // add waiting for the store before it, cost ~1 us a channel).
+        // add waiting for the store before it, cost a memory round trip a channel).
         if (warp == 0) {
             int carry = 0;
             for (int base = 0; base < num_channels; base += 32) {
@@ -265,7 +266,7 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
         const bool invalid = invalid_ids != nullptr && *invalid_ids != 0;
         meta[3] = flags | (fits ? 0 : kMetaLayoutTooBig) | (invalid ? kMetaInvalidIds : 0);
     }
-    // Per-expert counts by every thread, one (peer, local expert) each (a loop of one thread per peer cost ~8 us).
+    // Per-expert counts by every thread, one (peer, local expert) each (a loop of one thread per peer was slow).
     if (!cached && fits)
         for (int i = t; i < kNumRanks * num_local_experts; i += blockDim.x) {
             const int peer = i / num_local_experts, l = i % num_local_experts;
@@ -476,7 +477,7 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
             const int finish = channel_prefix_matrix[to * num_channels + channel];
             // Relaxed: the receiver needs these values and nothing written before them (notify's barrier already
             // ordered the zeroed control words before this kernel), and each release would stall this thread on a
-            // system-scope fence (~2.5 us) before the first chunk.
+            // system-scope fence before the first chunk.
             ptx::st_relaxed_sys_s32(dst.start(q), -start - 1);
             ptx::st_relaxed_sys_s32(dst.finish(q), -finish - 1);
         }
@@ -489,7 +490,7 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
             const int q = dst.queue(channel, me);
             int tail = 0, head = 0;
             // Chunks start at one token a warp and double up to num_max_send_tokens: the receiver's first tail comes
-            // early (a full first chunk left its drain group idle for ~25 us), later tails come rarely (each is a
+            // early (a full first chunk left its drain group idle at the start), later tails come rarely (each is a
             // system-scope release that waits for the group's stores).
             int chunk_limit = min(group_warps, num_max_send_tokens);
             for (int t = begin; t < end; chunk_limit = min(2 * chunk_limit, num_max_send_tokens)) {
@@ -601,8 +602,8 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
     }
 }
 
-// Not inlined: the barrier's registers would otherwise stay reserved through the kernel (2 ranks: spills 44 ->
-// 84 B).
+// Not inlined: the barrier's registers would otherwise stay reserved through the kernel (inlined, it made the
+// kernel spill more).
 template <int kNumRanks>
 __device__ __noinline__ void combine_channel_barrier(const PeersTable* peers, int channel) {
     nvl_barrier_block<kNumRanks, false>(peers, "intranode_combine: the channel's block on peer to start (barrier)",

@@ -1,5 +1,5 @@
 // Layout of the NVLink buffer for normal-mode intranode dispatch/combine, shared by every kernel of intranode.cu.
-// The host mirror is epjit/kernels/intranode.py:intranode_nvl_bytes (tests/test_intranode_layout.py checks both).
+// The host mirror is epjit/kernels/intranode.py:intranode_nvl_bytes (a CPU test holds the two; docs/layouts.md).
 //
 // payload of each rank's NVLink buffer (R ranks, C channels, T ring slots, K top-k, S = hidden/128 FP8 scales,
 // L local experts). Offsets up to the rings depend only on R, C, T, hidden and K, so combine (which has no L and

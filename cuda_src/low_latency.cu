@@ -1,4 +1,4 @@
-// Low-latency dispatch and combine for decode (DeepEP's low-latency kernels; seed 000, seed 004).
+// Low-latency dispatch and combine for decode (DeepEP's low-latency kernels; why this shape: docs/design.md).
 //
 // No count round trip: every (source rank, token) owns a message slot in the symmetric heap of each rank, and
 // every (local expert, source rank) M = num_max_dispatch_tokens_per_rank rows of the receive arrays (layout:
@@ -38,7 +38,7 @@
 #include "fp8.cuh"
 #include "low_latency.cuh"
 // The NVSHMEM device library only where a put path may run (low_latency_puts.cu): a -rdc build linked with it
-// costs every launch 1-2 us (see epjit/kernels/low_latency.py), so the build without it has stubs instead.
+// makes every launch slower (docs/history.md), so the build without it has stubs instead.
 #ifdef EPJIT_LL_PUTS
 #include "nvshmem.cuh"
 #else
@@ -485,7 +485,7 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
         // Every block waits for the count of every (local expert, source): a message may hold rows of any of my
         // experts, each placed after the rows of the sources before its own; and the arrival of any count of a
         // source proves that every message it sent me landed (its count-senders waited for all of them).
-        // A thread a word (one warp polling 8 words a lane took 2.5 us longer: each poll is a round trip).
+        // A thread a word (one warp polling several words a lane was slower: each poll is a round trip).
         const int num_pairs = num_local * num_ranks;
         for (int pair = static_cast<int>(threadIdx.x); pair < num_pairs; pair += kLowLatencyThreads) {
             const int e = pair / num_ranks, src = pair % num_ranks;
@@ -515,8 +515,8 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
         }
         __syncthreads();
         timeline_mark(timeline, kAtCounts);
-        // A warp a message slot (source, token), consecutive slots in different blocks (an SM copies ~47 GB/s
-        // whatever its warps do: 32 messages in one block took 18 us): the header says whether this call wrote it
+        // A warp a message slot (source, token), consecutive slots in different blocks (what an SM copies does not
+        // grow with its warps, so the messages spread over the SMs): the header says whether this call wrote it
         // (its epoch) and which rows take its payload.
         const int data_int4 = fp8 ? hidden / 16 : x_int4;
         const int64_t rows_per_expert = static_cast<int64_t>(num_ranks) * max_tokens;

@@ -1,5 +1,5 @@
-// Layout of the NVSHMEM symmetric heap in low-latency mode (seed 000; DESIGN.md "low latency"), shared by the
-// kernels of low_latency.cu. The host mirror is epjit/kernels/low_latency.py:low_latency_set_bytes.
+// Layout of the NVSHMEM symmetric heap in low-latency mode (docs/layouts.md), shared by the kernels of
+// low_latency.cu. The host mirror is epjit/kernels/low_latency.py:low_latency_set_bytes.
 //
 // Two sets, used alternately by successive calls, so a caller may hold one call's results while issuing the next.
 // Each set (R ranks, E experts, L = E/R local experts, M = num_max_dispatch_tokens_per_rank, H = hidden):

@@ -1,8 +1,8 @@
 // Which channel a block of a normal-mode kernel serves: one block a TPC where the grid allows it.
 //
-// The hardware puts a grid's first blocks two to a TPC (on every 2 x H200 seen, blocks 0-7 land on SMs 124-131
-// and the next ones on even SMs, one to a TPC), and a combine block sharing its TPC moved its bytes ~20% slower
-// than one alone: those blocks set the kernel's time (bench --profile's per-block rows). So the host launches
+// The hardware puts a grid's first blocks two to a TPC (on every H200 seen, blocks 0-7, and the next ones one to a
+// TPC), and a combine block sharing its TPC moved its bytes markedly slower than one alone: those blocks set the
+// kernel's time (bench --profile's per-block rows; docs/history.md). So the host launches
 // more blocks than channels and each block claims its TPC (SMs 2k and 2k + 1) before a channel: a block alone on
 // its TPC takes the next channel at once; a block whose TPC is taken waits up to kSpareWaitNs for lone blocks to
 // take every channel, then takes one left over itself, so a grid that finds too few free TPCs (beside other
@@ -17,7 +17,7 @@
 namespace epjit {
 
 constexpr int kMaxTpcs = 128;
-constexpr uint64_t kSpareWaitNs = 4000;  // blocks of one launch start within ~1-2 us of each other on an idle GPU
+constexpr uint64_t kSpareWaitNs = 4000;  // a few times the spread of a launch's block starts on an idle GPU
 
 struct ChannelClaims {
     int next;                 // channels handed out

@@ -197,7 +197,7 @@ __device__ __forceinline__ uint32_t smid() {
 }
 
 /// Timers
-// %globaltimer counts nanoseconds (coarse ticks, ~1 us on Hopper) and is the same clock on every SM, so a
+// %globaltimer counts nanoseconds (in coarse ticks) and is the same clock on every SM, so a
 // timeout measured with it does not depend on the SM clock or on which SM a block landed on.
 __device__ __forceinline__ uint64_t globaltimer_ns() {
     uint64_t t;
