@@ -8,8 +8,10 @@
 //   invalid_ids [1]                top-k entries outside [-1, E): skipped here, reported by the next notify
 //
 // One thread per token; counts go to shared memory first (one atomic per token and target there) and to global
-// memory once per block, so the result is exact and independent of scheduling. The counts and invalid_ids must be
-// zeroed; is_token_in_rank need not be (every row is written whole, so the host allocates it without a memset).
+// memory once per block, so the result is exact and independent of scheduling. With several blocks they are added
+// into global memory, which the host zeroes first; a single block (up to 256 tokens: every decode-sized batch)
+// stores them whole, zeros included, so the host needs no memset: one fewer call on the path a small batch waits
+// for. is_token_in_rank is never zeroed (every row is written whole).
 #include "types.cuh"
 
 namespace epjit {
@@ -23,7 +25,8 @@ __global__ void dispatch_layout(const int64_t* topk_idx, int num_tokens, int num
     int* s_expert = shared_counts;
     int* s_rank = s_expert + num_experts;
     int* s_node = s_rank + num_ranks;
-    for (int i = threadIdx.x; i < num_experts + num_ranks + num_nodes; i += blockDim.x) shared_counts[i] = 0;
+    int* s_invalid = s_node + num_nodes;
+    for (int i = threadIdx.x; i < num_experts + num_ranks + num_nodes + 1; i += blockDim.x) shared_counts[i] = 0;
     __syncthreads();
 
     const int experts_per_rank = num_experts / num_ranks;
@@ -35,7 +38,7 @@ __global__ void dispatch_layout(const int64_t* topk_idx, int num_tokens, int num
         // A token's distinct ranks and nodes: top-k is small (<= 16), so a quadratic look-back is cheapest.
         for (int k = 0; k < num_topk; ++k) {
             const int64_t e = row[k];
-            if (e < -1 || e >= num_experts) atomicAdd(invalid_ids, 1);
+            if (e < -1 || e >= num_experts) atomicAdd(s_invalid, 1);
             if (e < 0 || e >= num_experts) continue;
             atomicAdd(s_expert + e, 1);
             const int r = static_cast<int>(e) / experts_per_rank;
@@ -54,13 +57,18 @@ __global__ void dispatch_layout(const int64_t* topk_idx, int num_tokens, int num
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < num_experts; i += blockDim.x)
-        if (s_expert[i]) atomicAdd(num_tokens_per_expert + i, s_expert[i]);
-    for (int i = threadIdx.x; i < num_ranks; i += blockDim.x)
-        if (s_rank[i]) atomicAdd(num_tokens_per_rank + i, s_rank[i]);
+    const bool whole = gridDim.x == 1;  // the only block: store every count; else add the nonzero ones
+    auto publish = [whole](int* dst, int count) {
+        if (whole)
+            *dst = count;
+        else if (count)
+            atomicAdd(dst, count);
+    };
+    for (int i = threadIdx.x; i < num_experts; i += blockDim.x) publish(num_tokens_per_expert + i, s_expert[i]);
+    for (int i = threadIdx.x; i < num_ranks; i += blockDim.x) publish(num_tokens_per_rank + i, s_rank[i]);
     if (num_tokens_per_rdma_rank != nullptr)
-        for (int i = threadIdx.x; i < num_nodes; i += blockDim.x)
-            if (s_node[i]) atomicAdd(num_tokens_per_rdma_rank + i, s_node[i]);
+        for (int i = threadIdx.x; i < num_nodes; i += blockDim.x) publish(num_tokens_per_rdma_rank + i, s_node[i]);
+    if (threadIdx.x == 0) publish(invalid_ids, *s_invalid);
 }
 
 }  // namespace epjit

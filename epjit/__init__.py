@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__
 from .errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -16,8 +17,6 @@ from .errors import (
     EpjitTimeoutError,
     SetupError,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ArgumentError",

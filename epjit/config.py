@@ -24,6 +24,11 @@ class Config:
 
     nvl_chunk_send: tokens a sender pushes between tail updates; nvl_chunk_recv: ring slots per (channel, rank).
     rdma_chunk_*: for the internode kernels (unused inside one NVLink node).
+
+    Tuning knobs of the normal-mode kernels' warp roles (0 / False: the default for the rank count, see
+    epjit.kernels.intranode): dispatch_send_warps and dispatch_drain_warps (a peer each; the own copy gets the warps
+    they leave), combine_send_warps (a peer), dispatch_phased (one sending group serves the peers one at a time, in
+    turn, instead of a group a peer). Each set of roles is a kernel of its own, compiled on first use.
     """
 
     num_sms: int = 24
@@ -31,8 +36,24 @@ class Config:
     nvl_chunk_recv: int = 256
     rdma_chunk_send: int = 6
     rdma_chunk_recv: int = 128
+    dispatch_send_warps: int = 0
+    dispatch_drain_warps: int = 0
+    combine_send_warps: int = 0
+    dispatch_phased: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("num_sms", "nvl_chunk_send", "nvl_chunk_recv", "rdma_chunk_send", "rdma_chunk_recv",
+                     "dispatch_send_warps", "dispatch_drain_warps", "combine_send_warps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ArgumentError(with_rank(f"Config.{name} must be an int, got {value!r}"))
+        for name in ("dispatch_send_warps", "dispatch_drain_warps", "combine_send_warps"):
+            if getattr(self, name) < 0:
+                raise ArgumentError(with_rank(f"Config.{name}={getattr(self, name)} must be >= 0 (0: the default)"))
+        # Frozen dataclasses hash every field on every hash; a Config keys the plan caches of every call.
+        object.__setattr__(self, "_hash", hash((self.num_sms, self.nvl_chunk_send, self.nvl_chunk_recv,
+                                                self.rdma_chunk_send, self.rdma_chunk_recv,
+                                                tuple(sorted(self.roles().items())))))
         if not 1 <= self.num_sms <= MAX_CHANNELS:
             raise ArgumentError(with_rank(f"Config.num_sms={self.num_sms} must be in [1, {MAX_CHANNELS}] "
                                           "(one block a channel)"))
@@ -44,9 +65,24 @@ class Config:
                 f"= {self.nvl_chunk_send + COMBINE_READERS}: a ring holds a chunk beyond what every combine "
                 "reader warp may wait on"))
 
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined, no-any-return]
+
     @property
     def num_channels(self) -> int:
         return self.num_sms
+
+    def roles(self) -> dict[str, int]:
+        """The warp-role fields set (non-default), as IntranodeSpec overrides."""
+        roles = {name: getattr(self, name) for name in ("dispatch_send_warps", "dispatch_drain_warps",
+                                                        "combine_send_warps") if getattr(self, name)}
+        if self.dispatch_phased:
+            roles["dispatch_phased"] = 1
+        return roles
+
+    def spec(self, num_ranks: int) -> IntranodeSpec:
+        """The dispatch/combine kernel of these warp roles on this many ranks (ValueError if they cannot be)."""
+        return intranode_spec(num_ranks, NUM_THREADS, **self.roles()) if self.roles() else intranode_spec(num_ranks)
 
     def nvl_bytes(self, num_ranks: int, hidden: int, num_topk: int, num_experts: int, fp8: bool) -> int:
         """Bytes of NVLink buffer payload a normal-mode call with these sizes needs."""

@@ -43,22 +43,6 @@ class Settings:
     ll_force_puts: bool = False
     ll_num_sms: int = 0
     share_gpus: bool = False
-    intranode_variant: tuple[tuple[str, int], ...] = ()
-
-
-def _assignments(name: str) -> tuple[tuple[str, int], ...]:
-    """``a=1,b=0`` -> (("a", 1), ("b", 0)): integer settings of a kernel family, checked where they are used."""
-    raw = os.environ.get(name, "").strip()
-    pairs = []
-    for item in filter(None, (part.strip() for part in raw.split(","))):
-        key, _, value = item.partition("=")
-        try:
-            if not key.strip():
-                raise ValueError
-            pairs.append((key.strip(), int(value)))
-        except ValueError:
-            raise ValueError(f"{name}={raw!r}: {item!r} is not name=integer") from None
-    return tuple(pairs)
 
 
 def settings() -> Settings:
@@ -90,10 +74,6 @@ def settings() -> Settings:
         # 2-GPU machine). Ranks sharing a GPU are time-sliced by the driver: their results are correct, their
         # timings mean nothing.
         share_gpus=os.environ.get("EPJIT_SHARE_GPUS", "0") not in ("", "0"),
-        # Tuning: the normal-mode kernels' warp roles, e.g. "dispatch_phased=1,combine_send_warps=3" (the fields of
-        # IntranodeSpec.TUNABLE; unset: the measured defaults of kernels/intranode.py). Part of the kernel's spec,
-        # hence of its cache key; how the variants are A/B-timed on one machine (scripts/gpu_ab.sh variant).
-        intranode_variant=_assignments("EPJIT_INTRANODE_VARIANT"),
     )
 
 

@@ -6,6 +6,8 @@ goes wrong on the GPU or between ranks is an ``EpjitError``.
 
 from __future__ import annotations
 
+from .jit import errors as _jit
+
 _rank: int | None = None
 
 
@@ -31,7 +33,7 @@ class SetupError(EpjitError):
     """Ranks, GPUs, MPI, NVSHMEM or the launcher are not in a state epjit can work with."""
 
 
-class CompileError(EpjitError):
+class CompileError(EpjitError, _jit.CompileError):
     """NVRTC or nvJitLink refused a kernel; the message carries the compiler log and the dumped source."""
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -183,6 +184,15 @@ class NvlBuffer:
 
 
 _nvshmem_state: dict[str, Any] = {"initialised": False, "users": 0}
+_before_finalize: list[Callable[[], None]] = []
+MIN_NVSHMEM = (3, 8)  # the host library must match the device library the kernels link, which needs 3.8
+
+
+def before_nvshmem_finalize(hook: Callable[[], None]) -> None:
+    """Run ``hook`` before NVSHMEM is finalised (once registered, at every finalise): whoever loads modules linked
+    with NVSHMEM's device library registers their unloading here, which must happen first."""
+    if hook not in _before_finalize:
+        _before_finalize.append(hook)
 
 
 def _nvshmem_init(group: Group, heap_bytes: int) -> None:
@@ -200,10 +210,10 @@ def _nvshmem_init(group: Group, heap_bytes: int) -> None:
     except ImportError as e:
         missing = f"NVSHMEM needs nvshmem4py and cuda-core: pip install 'epjit[cuda13]' ({e})"
         raise SetupError(with_rank(missing)) from None
-    from .jit.toolchain import check_nvshmem_version
-
     version = nvshmem_core.get_version().libnvshmem_version
-    check_nvshmem_version(tuple(int(p) for p in version.split(".")[:3]), "the loaded libnvshmem_host")  # type: ignore[arg-type]
+    if tuple(int(p) for p in version.split(".")[:2]) < MIN_NVSHMEM:
+        raise SetupError(with_rank(f"the loaded libnvshmem_host is NVSHMEM {version}, but epjit needs >= "
+                                   f"{MIN_NVSHMEM[0]}.{MIN_NVSHMEM[1]}: pip install 'nvidia-nvshmem-cu13>=3.8'"))
     uid = nvshmem_core.get_unique_id(empty=group.rank != 0)
     uid_bytes = uid._data.view(np.uint8)  # the id is a small struct; it travels as raw bytes
     raw = group.bcast_bytes(uid_bytes.tobytes() if group.rank == 0 else None, root=0)
@@ -222,9 +232,8 @@ def _nvshmem_finalize() -> None:
         return
     import nvshmem.core as nvshmem_core
 
-    from .jit import unload_all
-
-    unload_all()  # modules must be cumodule-finalised before NVSHMEM goes
+    for hook in _before_finalize:  # modules must be cumodule-finalised before NVSHMEM goes
+        hook()
     nvshmem_core.finalize()
     _nvshmem_state["initialised"] = False
 

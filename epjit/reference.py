@@ -4,7 +4,7 @@ This module is the oracle of every GPU test and the CPU backend of the examples.
 *all* ranks at once, as lists indexed by rank (``xs[r]`` is what rank ``r`` would pass to ``Buffer.dispatch``), and
 returns one result per rank. It needs numpy and ml_dtypes only, and it never touches a GPU, MPI or the compiler.
 
-Conventions (the same as the GPU API, see DESIGN.md "Semantics, exactly"):
+Conventions (the same as the GPU API, see docs/api.md):
 
 - ``R`` ranks, ``E`` experts numbered globally, ``L = E / R`` local experts; rank ``r`` owns experts
   ``[r*L, (r+1)*L)``. ``topk_idx`` is ``[N, K]`` (any integer dtype, returned as int64); ``-1`` means "no expert".
@@ -338,6 +338,160 @@ def get_dispatch_layout(
 # --------------------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, eq=False)
+class _DispatchInputs:
+    """Every rank's dispatch inputs, validated and in canonical dtypes (FP8 as uint8 bits, indices int64)."""
+
+    xs: list[np.ndarray]  # [N_r, H] bf16 or uint8 FP8 bits
+    topk_idx: list[np.ndarray]  # [N_r, K] int64, global expert ids
+    topk_weights: list[np.ndarray] | None  # [N_r, K] float32
+    x_scales: list[np.ndarray] | None  # [N_r, H/128] float32, present exactly with FP8
+
+    @property
+    def hidden(self) -> int:
+        return int(self.xs[0].shape[1])
+
+    @property
+    def num_topk(self) -> int:
+        return int(self.topk_idx[0].shape[1])
+
+
+@dataclass(frozen=True, eq=False)
+class _NormalRouting:
+    """Who sends which tokens to whom in normal mode, derived from every rank's layout."""
+
+    sent_tokens: list[list[np.ndarray]]  # [src][dst]: the token indices that src sends to dst, ascending
+    counts: np.ndarray  # [src, dst] int32: len(sent_tokens[src][dst])
+    rank_prefix_matrix: np.ndarray  # [R, R] int32: counts summed over src = 0..i
+    is_token_in_rank: list[np.ndarray]  # [src]: that rank's [N_src, R] routing as a sender
+
+
+def _check_dispatch_x(x: Any, name: str, use_fp8: bool) -> np.ndarray:
+    """One rank's dispatch tokens: FP8 bits when scales were given, bf16 otherwise, always 2-D."""
+    if use_fp8:
+        bits = _check_fp8_bits(x, name)
+        if bits.ndim != 2:
+            raise _error(f"{name} must be 2-D [num_tokens, hidden], got shape {bits.shape}")
+        return bits
+    arr = np.asarray(x)
+    # FP8 data without scales cannot be dequantised by the receiver, so name the missing argument.
+    if arr.dtype in (np.uint8, FP8):
+        raise _type_error(f"{name} is FP8 ({arr.dtype}) but x_scales is None: pass the float32 scales")
+    return _check_bf16(arr, name, 2)
+
+
+def _check_dispatch_scales(scales: list[Any], xs: list[np.ndarray]) -> list[np.ndarray]:
+    """Every rank's FP8 scales: float32, one per token and block of 128 channels."""
+    hidden = xs[0].shape[1]
+    _check_hidden_fp8(hidden, "xs")
+    checked: list[np.ndarray] = []
+    for r, scale in enumerate(scales):
+        s = np.asarray(scale)
+        if s.dtype != np.float32:
+            raise _type_error(f"x_scales[{r}] must be float32, got {s.dtype}")
+        if s.shape != (xs[r].shape[0], hidden // FP8_BLOCK):
+            raise _error(f"x_scales[{r}] has shape {s.shape} but must be {(xs[r].shape[0], hidden // FP8_BLOCK)}")
+        checked.append(s)
+    return checked
+
+
+def _check_dispatch_inputs(
+    xs: Sequence[Any],
+    topk_idx: Sequence[Any],
+    topk_weights: Sequence[np.ndarray] | None,
+    x_scales: Sequence[np.ndarray] | None,
+    num_experts: int,
+) -> _DispatchInputs:
+    """Validate every rank's dispatch inputs against rank 0's hidden size and num_topk, and canonicalise them."""
+    num_ranks = len(xs)
+    use_fp8 = x_scales is not None
+    scales_list = _per_rank("x_scales", x_scales, num_ranks) if use_fp8 else None
+    weights_list = _per_rank("topk_weights", topk_weights, num_ranks) if topk_weights is not None else None
+    xs_in: list[np.ndarray] = []
+    idx_in: list[np.ndarray] = []
+    weights_in: list[np.ndarray] | None = [] if weights_list is not None else None
+    for r in range(num_ranks):
+        x = _check_dispatch_x(xs[r], f"xs[{r}]", use_fp8)
+        if r > 0 and x.shape[1] != xs_in[0].shape[1]:
+            raise _error(f"xs[{r}] has hidden={x.shape[1]} but xs[0] has hidden={xs_in[0].shape[1]}")
+        xs_in.append(x)
+        num_topk = idx_in[0].shape[1] if r > 0 else None
+        idx_in.append(_check_topk_idx(topk_idx[r], f"topk_idx[{r}]", x.shape[0], num_topk, num_experts))
+        if weights_list is not None and weights_in is not None:
+            weights_in.append(_check_topk_weights(weights_list[r], f"topk_weights[{r}]", idx_in[r].shape))
+    scales_in = _check_dispatch_scales(scales_list, xs_in) if scales_list is not None else None
+    return _DispatchInputs(xs=xs_in, topk_idx=idx_in, topk_weights=weights_in, x_scales=scales_in)
+
+
+def _route_normal(topk_idx: list[np.ndarray], num_experts: int) -> _NormalRouting:
+    """Derive who sends what to whom from every rank's (validated) ``topk_idx``."""
+    num_ranks = len(topk_idx)
+    layouts = [get_dispatch_layout(idx, num_experts, num_ranks) for idx in topk_idx]
+    counts = np.array([layout.num_tokens_per_rank for layout in layouts], dtype=np.int32)
+    return _NormalRouting(
+        sent_tokens=[[np.flatnonzero(layout.is_token_in_rank[:, r]) for r in range(num_ranks)] for layout in layouts],
+        counts=counts,
+        rank_prefix_matrix=np.cumsum(counts, axis=0, dtype=np.int32),
+        is_token_in_rank=[layout.is_token_in_rank for layout in layouts],
+    )
+
+
+def _dispatch_to_rank(
+    inputs: _DispatchInputs,
+    routing: _NormalRouting,
+    rank: int,
+    num_rows: int,
+    num_local: int,
+    expert_alignment: int,
+) -> DispatchResult:
+    """What rank ``rank`` receives: the senders' rows in source-rank order, then padding up to ``num_rows``."""
+    num_recv = int(routing.counts[:, rank].sum())
+    hidden, num_topk = inputs.hidden, inputs.num_topk
+    # Padding rows keep these fills: zeros in x/x_scales/weights and -1 in topk_idx, as documented in dispatch.
+    x_out = np.zeros((num_rows, hidden), dtype=inputs.xs[0].dtype)
+    scales_out = np.zeros((num_rows, hidden // FP8_BLOCK), dtype=np.float32) if inputs.x_scales is not None else None
+    global_idx = np.full((num_rows, num_topk), -1, dtype=np.int64)
+    weights_out = np.zeros((num_rows, num_topk), dtype=np.float32) if inputs.topk_weights is not None else None
+    src_rank = np.zeros(num_recv, dtype=np.int32)
+    src_token = np.zeros(num_recv, dtype=np.int32)
+
+    begin = 0
+    for s in range(len(inputs.xs)):
+        tokens = routing.sent_tokens[s][rank]
+        rows = slice(begin, begin + len(tokens))
+        x_out[rows] = inputs.xs[s][tokens]
+        if scales_out is not None and inputs.x_scales is not None:
+            scales_out[rows] = inputs.x_scales[s][tokens]
+        global_idx[rows] = inputs.topk_idx[s][tokens]
+        if weights_out is not None and inputs.topk_weights is not None:
+            weights_out[rows] = inputs.topk_weights[s][tokens]
+        src_rank[rows] = s
+        src_token[rows] = tokens
+        begin += len(tokens)
+
+    # Keep only this rank's experts, renumbered locally; the other slots become -1 / weight 0.
+    is_local = (global_idx >= rank * num_local) & (global_idx < (rank + 1) * num_local)
+    local_idx = np.where(is_local, global_idx - rank * num_local, -1)
+    if weights_out is not None:
+        weights_out = np.where(is_local, weights_out, np.float32(0))
+    per_expert = np.bincount(local_idx[is_local], minlength=num_local)
+    return DispatchResult(
+        x=x_out,
+        x_scales=scales_out,
+        topk_idx=local_idx,
+        topk_weights=weights_out,
+        num_recv_tokens_per_expert=[_align_up(int(c), expert_alignment) for c in per_expert],
+        handle=DispatchHandle(
+            src_rank=src_rank,
+            src_token=src_token,
+            num_recv_tokens=num_recv,
+            num_rows=num_rows,
+            is_token_in_rank=routing.is_token_in_rank[rank],
+            rank_prefix_matrix=routing.rank_prefix_matrix,
+        ),
+    )
+
+
 def dispatch(
     xs: Sequence[np.ndarray],
     topk_idx: Sequence[np.ndarray],
@@ -368,105 +522,16 @@ def dispatch(
     topk_idx = _per_rank("topk_idx", topk_idx, num_ranks)
     expert_alignment = _check_int("expert_alignment", expert_alignment, 1)
     num_worst_tokens = _check_int("num_worst_tokens", num_worst_tokens, 0)
-
-    # Validate every rank's inputs and bring them to canonical dtypes.
-    use_fp8 = x_scales is not None
-    scales_in = _per_rank("x_scales", x_scales, num_ranks) if use_fp8 else None
-    xs_in: list[np.ndarray] = []
-    idx_in: list[np.ndarray] = []
-    weights_in: list[np.ndarray] | None = [] if topk_weights is not None else None
-    weights_list = _per_rank("topk_weights", topk_weights, num_ranks) if topk_weights is not None else None
-    for r in range(num_ranks):
-        if use_fp8:
-            x = _check_fp8_bits(xs[r], f"xs[{r}]")
-            if x.ndim != 2:
-                raise _error(f"xs[{r}] must be 2-D [num_tokens, hidden], got shape {x.shape}")
-        else:
-            arr = np.asarray(xs[r])
-            if arr.dtype in (np.uint8, FP8):
-                raise _type_error(f"xs[{r}] is FP8 ({arr.dtype}) but x_scales is None: pass the float32 scales")
-            x = _check_bf16(arr, f"xs[{r}]", 2)
-        if r > 0 and x.shape[1] != xs_in[0].shape[1]:
-            raise _error(f"xs[{r}] has hidden={x.shape[1]} but xs[0] has hidden={xs_in[0].shape[1]}")
-        xs_in.append(x)
-        num_topk = idx_in[0].shape[1] if r > 0 else None
-        idx_in.append(_check_topk_idx(topk_idx[r], f"topk_idx[{r}]", x.shape[0], num_topk, num_experts))
-        if weights_list is not None and weights_in is not None:
-            weights_in.append(_check_topk_weights(weights_list[r], f"topk_weights[{r}]", idx_in[r].shape))
-    hidden = xs_in[0].shape[1]
-    num_topk = idx_in[0].shape[1]
-    scales_checked: list[np.ndarray] = []
-    if scales_in is not None:
-        _check_hidden_fp8(hidden, "xs")
-        for r in range(num_ranks):
-            s = np.asarray(scales_in[r])
-            if s.dtype != np.float32:
-                raise _type_error(f"x_scales[{r}] must be float32, got {s.dtype}")
-            if s.shape != (xs_in[r].shape[0], hidden // FP8_BLOCK):
-                raise _error(
-                    f"x_scales[{r}] has shape {s.shape} but must be {(xs_in[r].shape[0], hidden // FP8_BLOCK)}"
-                )
-            scales_checked.append(s)
-
-    layouts = [get_dispatch_layout(idx_in[s], num_experts, num_ranks) for s in range(num_ranks)]
-    # sent_tokens[s][r]: the token indices that rank s sends to rank r, ascending.
-    sent_tokens = [
-        [np.flatnonzero(layouts[s].is_token_in_rank[:, r]) for r in range(num_ranks)] for s in range(num_ranks)
-    ]
-    counts = np.array([layouts[s].num_tokens_per_rank for s in range(num_ranks)], dtype=np.int32)  # [src, dst]
-    rank_prefix_matrix = np.cumsum(counts, axis=0, dtype=np.int32)
+    inputs = _check_dispatch_inputs(xs, topk_idx, topk_weights, x_scales, num_experts)
+    routing = _route_normal(inputs.topk_idx, num_experts)
 
     results: list[DispatchResult] = []
     for r in range(num_ranks):
-        num_recv = int(counts[:, r].sum())
+        num_recv = int(routing.counts[:, r].sum())
         if num_worst_tokens > 0 and num_recv > num_worst_tokens:
             raise _error(f"rank {r} receives {num_recv} tokens but num_worst_tokens={num_worst_tokens}")
         num_rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
-
-        x_out = np.zeros((num_rows, hidden), dtype=xs_in[0].dtype)
-        scales_out = np.zeros((num_rows, hidden // FP8_BLOCK), dtype=np.float32) if use_fp8 else None
-        global_idx = np.full((num_rows, num_topk), -1, dtype=np.int64)
-        weights_out = np.zeros((num_rows, num_topk), dtype=np.float32) if weights_in is not None else None
-        src_rank = np.zeros(num_recv, dtype=np.int32)
-        src_token = np.zeros(num_recv, dtype=np.int32)
-
-        begin = 0
-        for s in range(num_ranks):
-            tokens = sent_tokens[s][r]
-            rows = slice(begin, begin + len(tokens))
-            x_out[rows] = xs_in[s][tokens]
-            if scales_out is not None:
-                scales_out[rows] = scales_checked[s][tokens]
-            global_idx[rows] = idx_in[s][tokens]
-            if weights_out is not None and weights_in is not None:
-                weights_out[rows] = weights_in[s][tokens]
-            src_rank[rows] = s
-            src_token[rows] = tokens
-            begin += len(tokens)
-
-        # Keep only this rank's experts, renumbered locally; the other slots become -1 / weight 0.
-        is_local = (global_idx >= r * num_local) & (global_idx < (r + 1) * num_local)
-        local_idx = np.where(is_local, global_idx - r * num_local, -1)
-        if weights_out is not None:
-            weights_out = np.where(is_local, weights_out, np.float32(0))
-        per_expert = np.bincount(local_idx[is_local], minlength=num_local)
-        results.append(
-            DispatchResult(
-                x=x_out,
-                x_scales=scales_out,
-                topk_idx=local_idx,
-                topk_weights=weights_out,
-                num_recv_tokens_per_expert=[_align_up(int(c), expert_alignment) for c in per_expert],
-                handle=DispatchHandle(
-                    src_rank=src_rank,
-                    src_token=src_token,
-                    num_recv_tokens=num_recv,
-                    num_rows=num_rows,
-                    is_token_in_rank=layouts[r].is_token_in_rank,
-                    rank_prefix_matrix=rank_prefix_matrix,
-                ),
-            )
-        )
+        results.append(_dispatch_to_rank(inputs, routing, r, num_rows, num_local, expert_alignment))
     return results
 
 
@@ -676,6 +741,99 @@ def _slots_by_expert(topk_idx: np.ndarray, num_experts: int) -> tuple[np.ndarray
     return order // num_topk, order % num_topk, offsets
 
 
+def _check_low_latency_inputs(
+    xs: Sequence[Any], topk_idx: Sequence[Any], max_tokens: int, num_experts: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Every rank's bf16 tokens (at most ``max_tokens``, rank 0's hidden size) and int64 ``topk_idx``."""
+    xs_in: list[np.ndarray] = []
+    idx_in: list[np.ndarray] = []
+    for r in range(len(xs)):
+        x = _check_bf16(xs[r], f"xs[{r}]", 2)
+        if r > 0 and x.shape[1] != xs_in[0].shape[1]:
+            raise _error(f"xs[{r}] has hidden={x.shape[1]} but xs[0] has hidden={xs_in[0].shape[1]}")
+        if x.shape[0] > max_tokens:
+            raise _error(f"xs[{r}] has {x.shape[0]} tokens but num_max_dispatch_tokens_per_rank={max_tokens}")
+        xs_in.append(x)
+        num_topk = idx_in[0].shape[1] if r > 0 else None
+        idx_in.append(_check_topk_idx(topk_idx[r], f"topk_idx[{r}]", x.shape[0], num_topk, num_experts))
+    return xs_in, idx_in
+
+
+def _low_latency_payload(
+    xs: list[np.ndarray], use_fp8: bool, round_scale: bool, use_ue8m0: bool
+) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    """What goes on the wire from each rank: ``(data, scales)``, quantised once per source, not once per message."""
+    if not use_fp8:
+        return [(x, None) for x in xs]
+    return [per_token_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0) for x in xs]
+
+
+def _poisoned_receive_buffers(
+    num_local: int, num_rows: int, hidden: int, use_fp8: bool, use_ue8m0: bool
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """One rank's ``x``/``x_scales`` receive buffers, filled with poison so that rows nobody writes read as NaN."""
+    if not use_fp8:
+        return _poison_bf16((num_local, num_rows, hidden)), None
+    x = np.full((num_local, num_rows, hidden), POISON_FP8_BITS, dtype=np.uint8)
+    scales_shape = (num_local, num_rows, hidden // FP8_BLOCK)
+    if use_ue8m0:
+        return x, np.full(scales_shape, POISON_UE8M0, dtype=np.uint8)
+    return x, np.full(scales_shape, POISON_SCALE, dtype=np.float32)
+
+
+def _low_latency_dispatch_to_rank(
+    rank: int,
+    payload: list[tuple[np.ndarray, np.ndarray | None]],
+    slots: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    *,
+    max_tokens: int,
+    num_experts: int,
+    hidden: int,
+    use_fp8: bool,
+    use_ue8m0: bool,
+) -> LowLatencyDispatchResult:
+    """What rank ``rank`` receives: for each local expert, the source blocks in rank order (``slots[s]`` is
+    :func:`_slots_by_expert` of rank ``s``)."""
+    num_ranks = len(payload)
+    num_local = num_experts // num_ranks
+    num_rows = num_ranks * max_tokens
+    x_out, scales_out = _poisoned_receive_buffers(num_local, num_rows, hidden, use_fp8, use_ue8m0)
+    src_info = np.full((num_local, num_rows), POISON_SRC_INFO, dtype=np.int32)
+    layout_range = np.zeros((num_local, num_ranks), dtype=np.int64)
+    recv_count = np.zeros(num_local, dtype=np.int32)
+
+    for e in range(num_local):
+        expert = rank * num_local + e
+        begin = 0
+        for s in range(num_ranks):
+            tokens_by_expert, _, offsets = slots[s]
+            tokens = tokens_by_expert[offsets[expert] : offsets[expert + 1]]
+            # Each (expert, source) receive slot has room for max_tokens rows; only repeated experts overflow it.
+            if len(tokens) > max_tokens:
+                raise _error(
+                    f"topk_idx[{s}] sends {len(tokens)} slots to expert {expert} (repeated experts) "
+                    f"but num_max_dispatch_tokens_per_rank={max_tokens}"
+                )
+            rows = slice(begin, begin + len(tokens))
+            data, scales = payload[s]
+            x_out[e, rows] = data[tokens]
+            if scales_out is not None and scales is not None:
+                scales_out[e, rows] = scales[tokens]
+            src_info[e, rows] = tokens
+            layout_range[e, s] = pack_layout_range(begin, len(tokens))
+            begin += len(tokens)
+        recv_count[e] = begin
+
+    handle = LowLatencyHandle(
+        src_info=src_info,
+        layout_range=layout_range,
+        num_max_dispatch_tokens_per_rank=max_tokens,
+        hidden=int(hidden),
+        num_experts=int(num_experts),
+    )
+    return LowLatencyDispatchResult(x=x_out, x_scales=scales_out, recv_count=recv_count, handle=handle)
+
+
 def low_latency_dispatch(
     xs: Sequence[np.ndarray],
     topk_idx: Sequence[np.ndarray],
@@ -704,84 +862,31 @@ def low_latency_dispatch(
     for one expert, is an ArgumentError: each (expert, source) receive slot has room for ``max`` rows.
     """
     num_ranks = len(_per_rank("xs", xs))
-    num_local = _check_num_experts(num_experts, num_ranks)
+    _check_num_experts(num_experts, num_ranks)
     topk_idx = _per_rank("topk_idx", topk_idx, num_ranks)
     max_tokens = _check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
     if not use_fp8 and (round_scale or use_ue8m0):
         raise _error(f"round_scale={round_scale} and use_ue8m0={use_ue8m0} need use_fp8=True")
-
-    xs_in: list[np.ndarray] = []
-    idx_in: list[np.ndarray] = []
-    for r in range(num_ranks):
-        x = _check_bf16(xs[r], f"xs[{r}]", 2)
-        if r > 0 and x.shape[1] != xs_in[0].shape[1]:
-            raise _error(f"xs[{r}] has hidden={x.shape[1]} but xs[0] has hidden={xs_in[0].shape[1]}")
-        if x.shape[0] > max_tokens:
-            raise _error(f"xs[{r}] has {x.shape[0]} tokens but num_max_dispatch_tokens_per_rank={max_tokens}")
-        xs_in.append(x)
-        num_topk = idx_in[0].shape[1] if r > 0 else None
-        idx_in.append(_check_topk_idx(topk_idx[r], f"topk_idx[{r}]", x.shape[0], num_topk, num_experts))
+    xs_in, idx_in = _check_low_latency_inputs(xs, topk_idx, max_tokens, num_experts)
     hidden = xs_in[0].shape[1]
     if use_fp8:
         _check_hidden_fp8(hidden, "xs")
 
-    # What goes on the wire: each source quantises its tokens once.
-    payload: list[tuple[np.ndarray, np.ndarray | None]] = []
-    for x in xs_in:
-        if use_fp8:
-            q, s = per_token_cast_to_fp8(x, round_scale=round_scale, use_ue8m0=use_ue8m0)
-            payload.append((q, s))
-        else:
-            payload.append((x, None))
+    payload = _low_latency_payload(xs_in, use_fp8, round_scale, use_ue8m0)
     slots = [_slots_by_expert(idx, num_experts) for idx in idx_in]
-
-    num_rows = num_ranks * max_tokens
-    results: list[LowLatencyDispatchResult] = []
-    for r in range(num_ranks):
-        if use_fp8:
-            x_out = np.full((num_local, num_rows, hidden), POISON_FP8_BITS, dtype=np.uint8)
-            scales_out: np.ndarray | None = (
-                np.full((num_local, num_rows, hidden // FP8_BLOCK), POISON_UE8M0, dtype=np.uint8)
-                if use_ue8m0
-                else np.full((num_local, num_rows, hidden // FP8_BLOCK), POISON_SCALE, dtype=np.float32)
-            )
-        else:
-            x_out = _poison_bf16((num_local, num_rows, hidden))
-            scales_out = None
-        src_info = np.full((num_local, num_rows), POISON_SRC_INFO, dtype=np.int32)
-        layout_range = np.zeros((num_local, num_ranks), dtype=np.int64)
-        recv_count = np.zeros(num_local, dtype=np.int32)
-
-        for e in range(num_local):
-            expert = r * num_local + e
-            begin = 0
-            for s in range(num_ranks):
-                tokens_by_expert, _, offsets = slots[s]
-                tokens = tokens_by_expert[offsets[expert] : offsets[expert + 1]]
-                if len(tokens) > max_tokens:
-                    raise _error(
-                        f"topk_idx[{s}] sends {len(tokens)} slots to expert {expert} (repeated experts) "
-                        f"but num_max_dispatch_tokens_per_rank={max_tokens}"
-                    )
-                rows = slice(begin, begin + len(tokens))
-                data, scales = payload[s]
-                x_out[e, rows] = data[tokens]
-                if scales_out is not None and scales is not None:
-                    scales_out[e, rows] = scales[tokens]
-                src_info[e, rows] = tokens
-                layout_range[e, s] = pack_layout_range(begin, len(tokens))
-                begin += len(tokens)
-            recv_count[e] = begin
-
-        handle = LowLatencyHandle(
-            src_info=src_info,
-            layout_range=layout_range,
-            num_max_dispatch_tokens_per_rank=max_tokens,
-            hidden=int(hidden),
-            num_experts=int(num_experts),
+    return [
+        _low_latency_dispatch_to_rank(
+            r,
+            payload,
+            slots,
+            max_tokens=max_tokens,
+            num_experts=num_experts,
+            hidden=hidden,
+            use_fp8=use_fp8,
+            use_ue8m0=use_ue8m0,
         )
-        results.append(LowLatencyDispatchResult(x=x_out, x_scales=scales_out, recv_count=recv_count, handle=handle))
-    return results
+        for r in range(num_ranks)
+    ]
 
 
 def _check_ll_block(handle: LowLatencyHandle, name: str, e: int, s: int) -> np.ndarray:

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Same-machine A/B of the benchmark: earlier revisions or saved variants against the working tree, alternating,
-# because lent machines differ by up to 3x in host-bound times and only rows of one run compare.
+# Same-machine A/B of the benchmark (docs/benchmark.md): earlier revisions or saved variants against the working
+# tree, alternating, because machines of one kind differ by up to 3x in host-bound times and only rows of one run
+# compare.
 #   here:        bash scripts/gpu_ab.sh prepare REV [NAME]   (REV's epjit/ and cuda_src/ under .ab/NAME, ignored;
 #                                                             NAME defaults to base and replaces every variant)
 #                bash scripts/gpu_ab.sh save NAME            (the working tree's epjit/ and cuda_src/ as a variant)
-#                bash scripts/gpu_ab.sh variant NAME VAR=VALUE...  (the working tree run with these settings, e.g.
-#                                                             EPJIT_INTRANODE_VARIANT=dispatch_phased=1)
-#   GPU machine: source .device/setup.sh && bash scripts/gpu_ab.sh run [rounds] [bench arguments...]
-# (carry [".device", ".ab"]). Each round runs every variant in name order, then the working tree; JSON and logs
-# under $OUT, then one table a variant.
+#                bash scripts/gpu_ab.sh variant NAME [VAR=VALUE...] [-- bench arguments...]  (the working tree
+#                                                             run with these settings and/or extra bench arguments,
+#                                                             e.g. EPJIT_LL_NUM_SMS=64, or -- --warp-roles
+#                                                             dispatch_phased=1)
+#   GPU machine: bash scripts/gpu_ab.sh run [rounds] [bench arguments...]
+# (.ab/ is ignored by git: copy it along when the GPU machine is another one). Each round runs every variant in
+# name order, then the working tree; JSON and logs under $OUT, then one table a variant.
 set -uo pipefail
 case ${1:-} in
   prepare)
@@ -25,12 +28,15 @@ case ${1:-} in
     echo "working tree at $(git rev-parse --short HEAD) + edits" > ".ab/$name/.rev"
     echo "A/B variant $name saved";;
   variant)
-    name=${2:?usage: gpu_ab.sh variant NAME VAR=VALUE...}
+    name=${2:?usage: gpu_ab.sh variant NAME [VAR=VALUE...] [-- bench arguments...]}
     shift 2
     rm -rf ".ab/$name" && mkdir -p ".ab/$name"
-    printf '%s\n' "$@" > ".ab/$name/.env"
-    echo "working tree with $*" > ".ab/$name/.rev"
-    echo "A/B variant $name: $*";;
+    : > ".ab/$name/.env"
+    while [ $# -gt 0 ] && [ "$1" != -- ]; do printf '%s\n' "$1" >> ".ab/$name/.env"; shift; done
+    [ $# -eq 0 ] || shift
+    printf '%s\n' "$@" > ".ab/$name/.args"
+    echo "working tree with $(tr '\n' ' ' < ".ab/$name/.env")$*" > ".ab/$name/.rev"
+    echo "A/B variant $name: $(cat ".ab/$name/.rev")";;
   run)
     shift
     rounds=${1:-2}; shift || true
@@ -44,11 +50,12 @@ case ${1:-} in
         # Each side runs from its own tree: `python -m` puts the working directory first on sys.path, ahead of
         # PYTHONPATH, so the tree a command starts in is the epjit it imports (and launches on every rank).
         # A side with a tree of its own runs it; a settings-only side (variant) runs the working tree.
-        dir=$PWD settings=()
+        dir=$PWD settings=() extra=()
         [ $side = new ] || [ ! -d ".ab/$side/epjit" ] || dir=$PWD/.ab/$side
-        [ $side = new ] || [ ! -f ".ab/$side/.env" ] || mapfile -t settings < ".ab/$side/.env"
+        [ $side = new ] || [ ! -s ".ab/$side/.env" ] || mapfile -t settings < ".ab/$side/.env"
+        [ $side = new ] || [ ! -s ".ab/$side/.args" ] || mapfile -t extra < ".ab/$side/.args"
         (cd "$dir" && env "${settings[@]}" python3 -m epjit.launch -n "$n" -m epjit.bench \
-           --json "$OUT/ab-$side-$round.json" "$@") \
+           --json "$OUT/ab-$side-$round.json" "$@" "${extra[@]}") \
           > "$OUT/ab-$side-$round.log" 2>&1 || { echo "$side round $round failed"; tail -20 "$OUT/ab-$side-$round.log"; }
       done
     done
@@ -57,6 +64,6 @@ case ${1:-} in
       python3 -m epjit.bench --summary "$OUT"/ab-$side-*.json
     done
     (cd "$OUT" && tar czf ab-logs.tgz --remove-files ab-*.log ab-*.json);;
-  *) echo "usage: gpu_ab.sh prepare REV [NAME] | save NAME | variant NAME VAR=VALUE... |" \
+  *) echo "usage: gpu_ab.sh prepare REV [NAME] | save NAME | variant NAME [VAR=VALUE...] [-- bench args...] |" \
           "run [rounds] [bench arguments...]"; exit 2;;
 esac

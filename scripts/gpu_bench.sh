@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Every benchmark issues 3 (normal mode) and 4 (low latency) report, in one call on a GPU machine; on 4 x H200
-# for the figures to report (see ../shared/gpu-machine/README.md):
-#   source .device/setup.sh && bash scripts/gpu_bench.sh
+# Every benchmark docs/performance.md reports (normal mode and low latency, the copy ceilings, a profile), in one
+# call on a machine with GPUs (the protocol and the columns: docs/benchmark.md):
+#   bash scripts/gpu_bench.sh
+# python3 must import epjit, its GPU stack and PyTorch (docs/testing.md, "Helper scripts").
 # One rank per GPU (EPJIT_BENCH_RANKS to choose). JSON and logs go under $OUT; a table of every row comes last.
 set -uo pipefail
 OUT=${OUT:-/tmp/epjit-out}

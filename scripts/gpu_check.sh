@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Everything the GPU tier checks, in one call on a GPU machine (see ../shared/gpu-machine/README.md):
-#   source .device/setup.sh && bash scripts/gpu_check.sh [pytest -k expression]
+# Everything the GPU tier checks, in one call on a machine with GPUs (docs/testing.md):
+#   bash scripts/gpu_check.sh [pytest -k expression]
+# python3 must import epjit, its GPU stack and PyTorch (docs/testing.md, "Helper scripts").
 # Compiles every module cold (fresh cache) and warm, runs the GPU tests, writes logs under $OUT, prints a table.
 # On 2 x H200 the tests take ~6 minutes, ~2.5 of them the 8-shared cases (-k "not 8-shared" leaves them out).
 set -uo pipefail

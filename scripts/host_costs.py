@@ -1,67 +1,98 @@
-"""Microseconds of the host-side steps a dispatch is made of, on this machine's GPU (a tuning aid).
+"""Microseconds of the host-side operations an eager call is made of, on this machine's GPU (a tuning aid).
 
     python3 scripts/host_costs.py
 
-Each line times one step on its own; the pairs show what the normal-mode calls used to do (DLPack round trips,
-CuPy's launch with NumPy scalars) next to what they do now (addresses read directly, torch's own allocator, one
-packed parameter block).
+Each line times one operation on its own (median of 2000 after 200 warm-up): the torch and CuPy calls a call may
+make (allocations, views, stream and event calls, attribute reads) and epjit's own steps (argument checks, packing,
+a launch). What a call's host time is made of is the sum of the lines it uses.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import cupy
 import torch
 
-from epjit import arrays, jit
-from epjit.kernels import LayoutSpec
+from epjit import arrays
 
 
 def cost(name: str, fn: Callable[[], object], n: int = 2000) -> None:
-    for _ in range(100):
+    for _ in range(200):
         fn()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    print(f"{name:<48} {1e6 * (time.perf_counter() - start) / n:8.1f} us")
+    times = []
+    for _ in range(n // 100):
+        start = time.perf_counter()
+        for _ in range(100):
+            fn()
+        times.append((time.perf_counter() - start) * 1e4)
+    print(f"{name:<56} {statistics.median(times):8.2f} us", flush=True)
+
+
+@dataclass
+class _Five:
+    a: object
+    b: object
+    c: object
+    d: object
+    e: object
 
 
 def main() -> None:
-    x = torch.randn(4096, 7168, device="cuda").to(torch.bfloat16)
-    idx = torch.randint(0, 256, (4096, 8), device="cuda")
-    xc = arrays.to_cupy(x, "x")
-    stream = cupy.cuda.Stream(non_blocking=True)
-    info = arrays.check(x, "x", dtype="bfloat16", ndim=2, device=0)
-    cost("arrays.check(x)", lambda: arrays.check(x, "x", dtype="bfloat16", ndim=2, device=0))
-    cost("arrays.check(topk_idx, shape=...)", lambda: arrays.check(idx, "topk_idx", dtype="int64",
-                                                                  shape=(("N", 4096), "K"), device=0))
-    cost("arrays.check(cupy x)", lambda: arrays.check(xc, "x", dtype="bfloat16", ndim=2, device=0))
-    cost("old: arrays.to_cupy(torch bf16)", lambda: arrays.to_cupy(x, "x"))
-    cost("new: arrays.kernel_arg(torch bf16)", lambda: arrays.kernel_arg(x, info, "x"))
-    cost("cupy.from_dlpack(torch)", lambda: cupy.from_dlpack(x))
-    cost("old: cupy.empty + arrays.from_cupy(-> torch)",
-         lambda: arrays.from_cupy(cupy.empty((128, 7168), dtype=xc.dtype), "torch"))
-    cost("new: arrays.empty('torch', bf16)", lambda: arrays.empty("torch", (128, 7168), "bfloat16", 0))
-    cost("torch.from_dlpack(cupy)", lambda: torch.from_dlpack(xc))
-    cost("cupy.empty((4096, 7168), bf16)", lambda: cupy.empty((4096, 7168), dtype=xc.dtype))
-    cost("stream.record() + wait_event", lambda: cupy.cuda.get_current_stream().wait_event(stream.record()))
+    dev = torch.cuda.current_device()
+    x = torch.randn(128, 7168, device="cuda").to(torch.bfloat16)
+    idx = torch.randint(0, 256, (128, 8), device="cuda")
+    rt = cupy.cuda.runtime
+    comm = cupy.cuda.Stream(non_blocking=True)
+    event = cupy.cuda.Event(disable_timing=True)
+    raw = torch._C._cuda_getCurrentRawStream
+    cost("torch.empty((32, 256, 7168), uint8)", lambda: torch.empty((32, 256, 7168), dtype=torch.uint8, device=dev))
+    cost("torch.empty((32, 256), int32)", lambda: torch.empty((32, 256), dtype=torch.int32, device=dev))
+    big = torch.empty(1 << 20, dtype=torch.uint8, device=dev)
+    cost("uint8[a:b].view(int32).view(shape)", lambda: big[4096:8192].view(torch.int32).view(32, 32))
+    cost("torch.empty(...).view(float8)",
+         lambda: torch.empty((32, 256, 7168), dtype=torch.uint8, device=dev).view(torch.float8_e4m3fn))
+    cost("x.new_empty((32, 256))", lambda: x.new_empty((32, 256)))
+    rows = torch.empty((128, 7168), dtype=torch.bfloat16, device=dev)
+    cost("t.resize_((64, 7168)) and back", lambda: rows.resize_((64, 7168)).resize_((128, 7168)))
+    cost("t.narrow(0, 0, 64)", lambda: rows.narrow(0, 0, 64))
+    cost("t[:64]", lambda: rows[:64])
+    cost("t.as_strided_((64, 7168), (7168, 1)) and back",
+         lambda: rows.as_strided_((64, 7168), (7168, 1)).as_strided_((128, 7168), (7168, 1)))
+    cost("torch._C._cuda_getCurrentRawStream(dev)", lambda: raw(dev))
+    cost("torch.cuda.current_device()", torch.cuda.current_device)
     cost("cupy.cuda.get_current_stream()", cupy.cuda.get_current_stream)
-    cost("torch.cuda.current_stream()", torch.cuda.current_stream)
+    cost("with cupy stream (enter+exit)", lambda: comm.__exit__(*(comm.__enter__() and (None, None, None))))
+    cost("cupy.cuda.Event(disable_timing=True)", lambda: cupy.cuda.Event(disable_timing=True))
+    cost("rt.eventRecord(event.ptr, comm.ptr)", lambda: rt.eventRecord(event.ptr, comm.ptr))
+    cost("rt.streamWaitEvent(comm.ptr, event.ptr)", lambda: rt.streamWaitEvent(comm.ptr, event.ptr, 0))
+    cost("event.record(comm)", lambda: event.record(comm))
+    cost("comm.wait_event(event)", lambda: comm.wait_event(event))
+    cost("rt.streamIsCapturing(ptr)", lambda: rt.streamIsCapturing(comm.ptr))
+    cost("rt.memsetAsync(ptr, 0, 1024, stream)", lambda: rt.memsetAsync(big.data_ptr(), 0, 1024, comm.ptr))
+    cost("x.data_ptr()", x.data_ptr)
+    cost("(x.shape, x.dtype, x.is_contiguous(), x.get_device())",
+         lambda: (x.shape, x.dtype, x.is_contiguous(), x.get_device()))
+    cost("x.shape", lambda: x.shape)
+    cost("x.stride()", x.stride)
+    cost("x.is_cuda", lambda: x.is_cuda)
+    cost("type(x).__module__.startswith('torch')", lambda: type(x).__module__.startswith("torch"))
+    cost("arrays.check(x, bf16, ndim=2)", lambda: arrays.check(x, "x", dtype="bfloat16", ndim=2, device=dev))
+    cost("arrays.check(idx, shape=((N, 128), K))",
+         lambda: arrays.check(idx, "topk_idx", dtype="int64", shape=(("N", 128), "K"), device=dev))
+    cost("dataclass of five fields", lambda: _Five(1, 2, 3, 4, 5))
+    cost("cupy.empty(4096, int32) on comm", lambda: cupy.empty(4096, dtype=cupy.int32))
+    with comm:
+        cost("cupy.empty(4096, int32) inside `with comm`", lambda: cupy.empty(4096, dtype=cupy.int32))
+    import struct
 
-    # One launch of a real kernel with nothing to do (num_tokens = 0), 11 arguments.
-    module = jit.load(LayoutSpec(), 0)
-    counts = cupy.zeros(512, dtype=cupy.int32)
-    p = counts.data.ptr
-    args = (idx.data_ptr(), 0, 8, 256, 2, 2, p, 0, p + 1024, p + 1536, p + 2000)
-    cost("new: Module.launch (11 args, addresses)",
-         lambda: module.launch("dispatch_layout", 1, 256, *args, shared_mem=2048, stream=stream))
-    fn = module._functions["dispatch_layout"]
-    spec = module.spec
-    cost("old: spec.pack + CuPy launch (11 args)",
-         lambda: fn((1,), (256,), spec.pack("dispatch_layout", args), shared_mem=2048, stream=stream))
-    stream.synchronize()
+    fmt = struct.Struct("=" + "Q" * 20 + "i4x" * 8)
+    block = bytearray(fmt.size)
+    values = list(range(20)) + list(range(8))
+    cost("struct.pack_into 28 arguments", lambda: fmt.pack_into(block, 0, *values))
 
 
 if __name__ == "__main__":

@@ -54,9 +54,9 @@ def main() -> None:
                     buf.dispatch(x, topk_idx=idx, topk_weights=w, layout=layout)
                     end.record(stream)
                     end.synchronize()
-                    marks = {name: t for name, t, _ in buf._profile.marks}
+                    marks = buf.profile()
                     timed.append(cupy.cuda.get_elapsed_time(start, end) * 1e3)
-                    host.append((marks["returned"] - marks["host_synced"]) * 1e6)
+                    host.append(marks["host:returned"] - marks["host:host_synced"])
                 parts.append(f"{statistics.median(timed):.1f} / {statistics.median(host):.1f}")
             if group.rank == 0:
                 print(f"dispatch {args.tokens} tokens, timed / host after the counts (us), medians of "

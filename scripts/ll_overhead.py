@@ -17,21 +17,18 @@ import torch
 import torch.distributed as dist
 
 import epjit
-from epjit import bench, jit
-from epjit.kernels import SpinSpec
-
-# Where each kernel's `phases` argument sits after the grid and the block (cuda_src/low_latency.cu signatures).
-_PHASES_ARG = {"ll_dispatch": 9, "ll_combine": 14}
+from epjit import bench
+from epjit.bench.kernels import SpinSpec
+from epjit.ops.loader import load
 
 
 def _no_phase(buf: epjit.Buffer, call: Any) -> Any:
     """`call` with every low-latency launch's `phases` argument set to 0."""
-    ll = buf._low_latency()
+    ll = buf._ll
     real = ll.module.launch
 
-    def launch(kernel: str, grid: Any, block: Any, *args: Any, **kw: Any) -> None:
-        i = _PHASES_ARG[kernel]
-        real(kernel, grid, block, *args[:i], 0, *args[i + 1:], **kw)
+    def launch(args: Any, grid: Any, block: Any, **kw: Any) -> None:
+        real(args.copy().set(phases=0), grid, block, **kw)
 
     def wrapped() -> Any:
         ll.module.launch = launch
@@ -60,15 +57,15 @@ def main() -> None:
 
     z = torch.zeros(1, device="cuda")
     timed("floor: one tiny torch kernel", bench._graph(lambda: z.add_(1)))
-    spin = jit.load(SpinSpec(), group.device)
+    spin = load(SpinSpec(), group.device)
 
     with epjit.Buffer(group, low_latency_mode=True, num_max_dispatch_tokens_per_rank=m, hidden=hidden,
                       num_experts=experts) as buf:
-        blocks = buf._low_latency().num_sms
+        blocks = buf._ll.num_sms
 
         def spin_graph(grid: int, block: int) -> Any:
-            return bench._graph(lambda: spin.launch("spin_for_ns", grid, block, 0,
-                                                    stream=bench.current_cupy_stream()))
+            return bench._graph(lambda: spin.launch(spin.spec.args("spin_for_ns", ns=0), grid, block,
+                                                    stream=torch.cuda.current_stream().cuda_stream))
 
         timed("spin_for_ns(0), 1 x 1", spin_graph(1, 1))
         timed(f"spin_for_ns(0), {blocks} x 1024", spin_graph(blocks, 1024))

@@ -58,9 +58,16 @@ def test_each_operation_is_timed_with_its_own_default_chunk(ranks):
     assert ranks != 2 or get_combine_config(2).nvl_chunk_send != get_dispatch_config(2).nvl_chunk_send
 
 
-def test_a_variant_run_is_timed_with_its_own_chunks(monkeypatch):
-    """Under EPJIT_INTRANODE_VARIANT (scripts/gpu_variants.sh) each case gets the chunks a plain call of that variant
-    gets: a phased dispatch sends 48-token chunks on 4 ranks (12 warps in one group), a 5-sender combine 15 rows."""
-    monkeypatch.setenv("EPJIT_INTRANODE_VARIANT", "dispatch_phased=1,combine_send_warps=5")
-    assert bench.case_config("dispatch", 4, 24, 0, 256).nvl_chunk_send == 48
-    assert bench.case_config("combine", 4, 24, 0, 256).nvl_chunk_send == 15
+def test_a_warp_role_run_is_timed_with_its_own_chunks():
+    """With --warp-roles (scripts/gpu_variants.sh) each case gets the chunks a plain call with those roles gets: a
+    phased dispatch sends 48-token chunks on 4 ranks (12 warps in one group), a 5-sender combine 15 rows."""
+    roles = bench.parse_roles(" dispatch_phased=1, combine_send_warps=5 ")
+    assert roles == {"dispatch_phased": 1, "combine_send_warps": 5}
+    dispatch = bench.case_config("dispatch", 4, 24, 0, 256, roles)
+    combine = bench.case_config("combine", 4, 24, 0, 256, roles)
+    assert dispatch.nvl_chunk_send == 48 and combine.nvl_chunk_send == 15
+    assert dispatch.dispatch_phased and combine.combine_send_warps == 5  # the calls run those roles' kernel
+    assert bench.parse_roles("") == {}
+    for bad in ("dispatch_phased", "dispatch_phased=yes", "=3", "num_sms=3"):
+        with pytest.raises(ValueError, match="is not FIELD=INTEGER"):
+            bench.parse_roles(bad)

@@ -14,7 +14,7 @@ from epjit.config import (
     get_dispatch_config,
     normal_size_hint,
 )
-from epjit.jit.toolchain import CUDA_SRC
+from epjit.kernels import cuda_sources
 from epjit.kernels.intranode import (
     CLAIMS_INTS,
     META_COMPARED,
@@ -26,6 +26,9 @@ from epjit.kernels.intranode import (
     intranode_spec,
     normal_grid,
 )
+from epjit.ops import intranode as ops
+
+CUDA_SRC = cuda_sources()
 
 
 def test_config_rejects_what_would_deadlock_or_not_launch():
@@ -67,36 +70,32 @@ def test_default_warp_roles():
     assert f"kMaxChannels = {MAX_CHANNELS};" in (CUDA_SRC / "intranode.cuh").read_text()
 
 
-def test_variant_specs_and_their_chunks():
-    """EPJIT_INTRANODE_VARIANT's fields: a phased dispatch sends with one group of every sending warp, and its
-    chunks grow with the group (four tokens a warp); combine's chunks stay whole rows a sending warp."""
-    phased = intranode_spec(4, dispatch_phased=1, combine_send_warps=3)
+def test_warp_roles_are_config_fields_and_their_chunks():
+    """Config's warp-role fields: a phased dispatch sends with one group of every sending warp, and its chunks grow
+    with the group (four tokens a warp); combine's chunks stay whole rows a sending warp."""
+    config = Config(dispatch_phased=True, combine_send_warps=3)
+    assert config.roles() == {"combine_send_warps": 3, "dispatch_phased": 1} and not Config().roles()
+    phased = config.spec(4)
+    assert phased == intranode_spec(4, dispatch_phased=1, combine_send_warps=3)
+    assert Config().spec(4) == intranode_spec(4)
     assert phased.dispatch_phased and phased.dispatch_group_send_warps == 12
     assert get_dispatch_config(4, phased).nvl_chunk_send == 48
     assert get_combine_config(4, phased).nvl_chunk_send == 12
     assert get_combine_config(4, intranode_spec(4, combine_send_warps=5)).nvl_chunk_send == 15
     assert "dispatch_phased=true" in phased.family and "combine_send_warps=3" in phased.family
+    assert hash(config) == hash(Config(dispatch_phased=True, combine_send_warps=3)) and config != Config()
     with pytest.raises(ValueError, match="no tunable field"):
         intranode_spec(4, num_ranks=2)
     with pytest.raises(ValueError, match="cannot form the dispatch groups"):
-        intranode_spec(4, dispatch_send_warps=6)  # 3 x (6 + 3) = 27 warps of 24
+        Config(dispatch_send_warps=6).spec(4)  # 3 x (6 + 3) = 27 warps of 24
     with pytest.raises(ValueError, match="cannot hold 8 combine sending warps"):
         intranode_spec(4, combine_send_warps=8)
     with pytest.raises(ValueError, match="one rank has no peer"):
         IntranodeSpec(1, NUM_THREADS, 1, 0, 0, False)
-
-
-def test_variant_setting_is_parsed_and_checked(monkeypatch):
-    from epjit.env import settings
-
-    monkeypatch.setenv("EPJIT_INTRANODE_VARIANT", " dispatch_phased=1, combine_send_warps=3 ")
-    assert settings().intranode_variant == (("dispatch_phased", 1), ("combine_send_warps", 3))
-    for bad in ("dispatch_phased", "dispatch_phased=yes", "=3"):
-        monkeypatch.setenv("EPJIT_INTRANODE_VARIANT", bad)
-        with pytest.raises(ValueError, match="is not name=integer"):
-            settings()
-    monkeypatch.delenv("EPJIT_INTRANODE_VARIANT")
-    assert settings().intranode_variant == ()
+    with pytest.raises(ArgumentError, match=r"Config.combine_send_warps=-1 must be >= 0"):
+        Config(combine_send_warps=-1)
+    with pytest.raises(ArgumentError, match=r"Config.num_sms must be an int, got '24'"):
+        Config("24")  # type: ignore[arg-type]
 
 
 def test_buffer_for_4096x7168_default_config_is_at_most_1_gib():
@@ -135,20 +134,19 @@ def test_size_formula_matches_the_device_layout_regions():
 
 
 def test_notify_meta_and_status_mirror_the_kernel():
-    """The host reads notify's meta and status words with the layout and bits intranode.cu(h) writes."""
-    from epjit import buffer
-
+    """The host reads notify's meta and status words with the layout and bits intranode.cu(h) writes (the family's
+    public protocol constants, epjit.ops.intranode)."""
     header, source = (CUDA_SRC / "intranode.cuh").read_text(), (CUDA_SRC / "intranode.cu").read_text()
     assert f"kMetaInts = {META_INTS};" in header and f"kMetaCompared = {META_COMPARED};" in header
-    for name, value in (("kStatusMetaMismatch", buffer._STATUS_META_MISMATCH),
-                        ("kStatusWorstTooSmall", buffer._STATUS_WORST_TOO_SMALL),
-                        ("kStatusLayoutTooBig", buffer._STATUS_LAYOUT_TOO_BIG),
-                        ("kStatusInvalidIds", buffer._STATUS_INVALID_IDS),
-                        ("kStatusOverCapacity", buffer._STATUS_OVER_CAPACITY),
-                        ("kFlagWorstTokens", buffer._FLAG_WORST_TOKENS),
-                        ("kFlagCaptured", buffer._FLAG_CAPTURED)):
+    for name, value in (("kStatusMetaMismatch", ops.STATUS_META_MISMATCH),
+                        ("kStatusWorstTooSmall", ops.STATUS_WORST_TOO_SMALL),
+                        ("kStatusLayoutTooBig", ops.STATUS_LAYOUT_TOO_BIG),
+                        ("kStatusInvalidIds", ops.STATUS_INVALID_IDS),
+                        ("kStatusOverCapacity", ops.STATUS_OVER_CAPACITY),
+                        ("kFlagWorstTokens", ops.FLAG_WORST_TOKENS),
+                        ("kFlagCaptured", ops.FLAG_CAPTURED)):
         assert re.search(rf"constexpr int {name} = {value};", source), name
-    assert len(buffer._META_NAMES) == META_COMPARED
+    assert len(ops.META_NAMES) == META_COMPARED
 
 
 def test_minimum_covers_control_words_counts_and_meta():

@@ -36,8 +36,8 @@ def test_intranode_against_reference(n, shared):
     print("\n".join(str(r) for r in results))
 
 
-# EPJIT_INTRANODE_VARIANT's warp roles beside the defaults (the variants the 4-rank A/B times): the phased dispatch
-# and other combine sender counts must give the same bits as the reference, through each script's quick cases.
+# Config's warp roles beside the defaults (the variants the 4-rank A/B times): the phased dispatch and other combine
+# sender counts must give the same bits as the reference, through each script's quick cases.
 VARIANTS = {"phased-combine3": "dispatch_phased=1,combine_send_warps=3", "combine5": "combine_send_warps=5"}
 
 
@@ -46,9 +46,9 @@ VARIANTS = {"phased-combine3": "dispatch_phased=1,combine_send_warps=3", "combin
 def test_intranode_variants_against_reference(variant, n, shared):
     env = placement(n, shared)
     pytest.importorskip("torch")
-    env = {"EPJIT_TIMEOUT_S": "60", "EPJIT_INTRANODE_VARIANT": VARIANTS[variant], **env}
-    code, output, results = run_ranks("launch", n, "tests/ranks/intranode.py", "--quick", "--loops", "20", env=env,
-                                      timeout=400)
+    env = {"EPJIT_TIMEOUT_S": "60", **env}
+    code, output, results = run_ranks("launch", n, "tests/ranks/intranode.py", "--quick", "--loops", "20",
+                                      "--warp-roles", VARIANTS[variant], env=env, timeout=400)
     assert code == 0, output[-8000:]
     assert len(results) == n, output[-4000:]
     for r in results:

@@ -1,5 +1,6 @@
-"""CPU tier of the JIT layer: specs against their .cu signatures, argument packing, the cache key and its atomic
-writes under racing processes, compile errors that show NVRTC's file:line, and the house rules on PTX and waits."""
+"""CPU tier of the JIT layer: specs against their .cu signatures (names, order, types), launches by argument name,
+argument packing, the cache key and its atomic writes under racing processes, compile errors that show NVRTC's
+file:line, and the house rules on PTX and waits."""
 
 from __future__ import annotations
 
@@ -13,17 +14,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from epjit import jit
+from epjit.bench.kernels import bench_specs
 from epjit.jit import KernelSpec, camel_param, compile_spec, normalize_arch
 from epjit.jit.compiler import cache_key, compile_options, included_files
-from epjit.jit.toolchain import CUDA_SRC, check_nvshmem_version, parse_nvshmem_version
-from epjit.kernels import check_specs
+from epjit.jit.toolchain import check_nvshmem_version, parse_nvshmem_version
+from epjit.kernels import check_specs, cuda_sources, jit_config
 
 ROOT = Path(__file__).resolve().parents[1]
+CUDA_SRC = cuda_sources()
+ALL_SPECS = check_specs() + bench_specs()
 nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) not installed")
 
 
-def _template_params(source: str, kernel: str) -> tuple[list[str], list[str]]:
-    """(template parameter names, C types of the arguments) of `kernel` as declared in a .cu file."""
+def _signature(source: str, kernel: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """(template parameter names, (C type, name) of each argument) of `kernel` as declared in a .cu file."""
     m = re.search(
         r"(?:template\s*<([^>]*)>\s*)?__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?"
         + kernel
@@ -32,20 +37,66 @@ def _template_params(source: str, kernel: str) -> tuple[list[str], list[str]]:
     )
     assert m, f"{kernel} not found as a __global__ function"
     params = [p.split()[-1] for p in (m.group(1) or "").split(",") if p.strip()]
-    arg_types = [" ".join(a.split()[:-1]) for a in m.group(2).split(",") if a.strip()]
-    return params, arg_types
+    args = []
+    for arg in filter(str.strip, m.group(2).split(",")):
+        words = arg.split()
+        stars = len(words[-1]) - len(words[-1].lstrip("*"))  # `int *p` declares the same as `int* p`
+        args.append((" ".join(words[:-1]) + "*" * stars, words[-1].lstrip("*")))
+    return params, args
 
 
-@pytest.mark.parametrize("spec", check_specs(), ids=lambda s: s.family)
-def test_spec_matches_cu_signature(spec):
-    source = (CUDA_SRC / spec.SOURCE).read_text()
-    # A build variant (low_latency_puts.cu) defines its switches and includes the kernels' .cu file.
-    source += "".join((CUDA_SRC / name).read_text() for name in re.findall(r'#include "(\w+\.cu)"', source))
+def _signature_problems(spec: KernelSpec, source: str) -> list[str]:
+    """Where the spec and the .cu disagree: template parameters, or argument names, order and C types."""
     fields = [camel_param(f.name) for f in dataclasses.fields(spec)]
-    for kernel, signature in spec.KERNELS.items():
-        params, arg_types = _template_params(source, kernel)
-        assert params == fields, f"{kernel}: template <{params}> but spec fields {fields}"
-        assert arg_types == [ctype for _, ctype in signature], f"{kernel}: .cu {arg_types} vs spec {signature}"
+    problems = []
+    for kernel, declared in spec.KERNELS.items():
+        params, args = _signature(source, kernel)
+        if params != fields:
+            problems.append(f"{kernel}: template <{params}> but spec fields {fields}")
+        if args != [(ctype, name) for name, ctype in declared]:
+            problems.append(f"{kernel}: .cu {args} vs spec {[(c, n) for n, c in declared]}")
+    return problems
+
+
+def _source_of(spec: KernelSpec) -> str:
+    path = CUDA_SRC / spec.SOURCE
+    source = path.read_text()
+    # A build variant (low_latency_puts.cu) defines its switches and includes the kernels' .cu file.
+    return source + "".join((path.parent / name).read_text() for name in re.findall(r'#include "(\w+\.cu)"', source))
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.family)
+def test_spec_matches_cu_signature(spec):
+    """The spec declares each kernel's arguments by the .cu's own names, in its order, with its C types: every
+    launch fills them by name, so a parameter renamed, moved or retyped in the .cu fails here."""
+    assert _signature_problems(spec, _source_of(spec)) == []
+
+
+def test_swapped_arguments_of_one_type_are_caught():
+    """Two int parameters swapped in a .cu signature are invisible to a type check; the names catch them."""
+    spec = next(s for s in check_specs() if s.family == "barrier.num_nvl_ranks=4")
+    source = _source_of(spec)
+    swapped = source.replace("int num_rounds, int num_ints", "int num_ints, int num_rounds")
+    assert swapped != source, "update this test: nvl_exchange_check's signature changed"
+    problems = _signature_problems(spec, swapped)
+    assert len(problems) == 1 and "nvl_exchange_check" in problems[0], problems
+
+
+def test_kernel_args_by_name():
+    spec = next(s for s in check_specs() if s.family == "barrier.num_nvl_ranks=4")
+    args = spec.args("nvl_exchange_check", num_ints=5, peers=0x7F00_0000_1000)
+    with pytest.raises(TypeError, match="no value given for num_rounds, skip_rank, errors"):
+        spec.pack(args.kernel, args.values)
+    args.set(skip_rank=-1, errors=None, num_rounds=3)
+    assert [type(v) for v in spec.pack(args.kernel, args.values)] == [np.uint64, np.int32, np.int32, np.int32,
+                                                                      np.uint64]
+    assert args["num_ints"] == 5 and args.values[1:4] == [3, 5, -1]  # placed by name, in signature order
+    later = args.copy().set(num_rounds=9)
+    assert args["num_rounds"] == 3 and later["num_rounds"] == 9
+    with pytest.raises(TypeError, match="nvl_exchange_check has no parameter 'rounds'"):
+        args.set(rounds=1)
+    with pytest.raises(KeyError, match="has no kernel"):
+        spec.args("nope")
 
 
 def test_name_expression_and_family():
@@ -79,7 +130,7 @@ def test_normalize_arch():
 
 
 def test_included_files_follows_local_headers():
-    names = {p.name for p in included_files(CUDA_SRC / "barrier.cu")}
+    names = {p.name for p in included_files(CUDA_SRC / "barrier.cu", CUDA_SRC)}
     assert {"barrier.cu", "barrier.cuh", "peers.cuh", "ptx.cuh", "wait.cuh", "types.cuh"} <= names
 
 
@@ -104,36 +155,38 @@ def _scratch_spec(tmp_path: Path, body: str, width: int = 4) -> KernelSpec:
 def test_cache_hit_and_key_follows_sources(tmp_path, monkeypatch):
     monkeypatch.setenv("EPJIT_CACHE_DIR", str(tmp_path / "cache"))
     spec = _scratch_spec(tmp_path, "out[threadIdx.x % kWidth] = value;")
-    first = compile_spec(spec, "sm_90")
+    config = jit_config()
+    first = compile_spec(spec, "sm_90", config)
     assert not first.from_cache and first.cubin_path.is_file() and first.cubin_path.stat().st_size > 0
     assert first.cubin_path.parent.name == "sm_90" and first.cubin_path.name.startswith("scratch.width=4.")
+    assert first.cubin_path.parent.parent.name == config.version  # $EPJIT_CACHE_DIR/<version>/<sm_XX>/
     assert first.lowered_names["fill"].startswith("_Z")
-    again = compile_spec(spec, "sm_90")
+    again = compile_spec(spec, "sm_90", config)
     assert again.from_cache and again.cubin_path == first.cubin_path
-    key = cache_key(spec, "sm_90", compile_options(spec, "sm_90"))
-    assert key != cache_key(spec, "sm_80", compile_options(spec, "sm_80"))
-    # Any change to the source (or a header it includes) is a new entry.
+    key = cache_key(spec, "sm_90", compile_options(spec, "sm_90", config), config)
+    assert key != cache_key(spec, "sm_80", compile_options(spec, "sm_80", config), config)
+    # Any change to the source (or a header it includes), the version or a code-changing setting is a new entry.
     spec2 = _scratch_spec(tmp_path, "out[threadIdx.x % kWidth] = value + 1;")
-    assert cache_key(spec2, "sm_90", compile_options(spec2, "sm_90")) != key
-    assert cache_key(type(spec)(8), "sm_90", compile_options(spec, "sm_90")) != key
+    assert cache_key(spec2, "sm_90", compile_options(spec2, "sm_90", config), config) != key
+    assert cache_key(type(spec)(8), "sm_90", compile_options(spec, "sm_90", config), config) != key
+    for other in (dataclasses.replace(config, version="9.9"), dataclasses.replace(config, key_extra=(("a", "1"),))):
+        assert cache_key(spec, "sm_90", compile_options(spec, "sm_90", other), other) != key
 
 
 def test_corrupt_cache_entry_is_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setenv("EPJIT_CACHE_DIR", str(tmp_path / "cache"))
     spec = _scratch_spec(tmp_path, "out[0] = value;")
-    first = compile_spec(spec, "sm_90")
+    first = compile_spec(spec, "sm_90", jit_config())
     first.cubin_path.with_suffix(".json").write_text("{not json")
-    again = compile_spec(spec, "sm_90")
+    again = compile_spec(spec, "sm_90", jit_config())
     assert not again.from_cache and again.lowered_names == first.lowered_names
 
 
 def test_compile_error_shows_file_and_line(tmp_path, monkeypatch):
     monkeypatch.setenv("EPJIT_CACHE_DIR", str(tmp_path / "cache"))
     spec = _scratch_spec(tmp_path, "out[0] = undeclared_thing;")
-    from epjit import CompileError
-
-    with pytest.raises(CompileError) as info:
-        compile_spec(spec, "sm_90")
+    with pytest.raises(jit.CompileError) as info:
+        compile_spec(spec, "sm_90", jit_config())
     message = str(info.value)
     assert re.search(r"scratch\.cu\(4\): error: identifier \"undeclared_thing\" is undefined", message), message
     dumped = Path(message.rsplit("kept at ", 1)[1].strip())
@@ -146,7 +199,7 @@ def _race_worker(args: tuple[str, str]) -> str:
 
     os.environ["EPJIT_CACHE_DIR"] = cache
     spec_cls = dataclasses.make_dataclass("Scratch", [], bases=(_Scratch,), frozen=True, namespace={"SOURCE": src})
-    return str(compile_spec(spec_cls(4), "sm_90").cubin_path)
+    return str(compile_spec(spec_cls(4), "sm_90", jit_config()).cubin_path)
 
 
 def test_ranks_racing_to_compile_agree(tmp_path):
@@ -164,27 +217,46 @@ def test_check_cli_compiles_every_module(tmp_path):
     out = subprocess.run([sys.executable, "-m", "epjit.jit", "--check", "--arch", "sm_90"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    for spec in check_specs():
+    for spec in ALL_SPECS:
         assert spec.family in out.stdout
     assert "0 failed" in out.stdout and "compiled + linked" in out.stdout
     warm = subprocess.run([sys.executable, "-m", "epjit.jit", "--check", "--arch", "sm_90"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
-    assert warm.returncode == 0 and warm.stdout.count(" cache") == len(check_specs()), warm.stdout
+    assert warm.returncode == 0 and warm.stdout.count(" cache") == len(ALL_SPECS), warm.stdout
 
 
 def test_nvshmem_version_gate():
     header = "#define NVSHMEM_VENDOR_MAJOR_VERSION 3\n#define NVSHMEM_VENDOR_MINOR_VERSION 4\n" \
              "#define NVSHMEM_VENDOR_PATCH_VERSION 5\n"
     assert parse_nvshmem_version(header) == (3, 4, 5)
-    from epjit import SetupError
-
-    with pytest.raises(SetupError, match=r"NVSHMEM 3\.4\.5 .* needs >= 3\.8"):
+    with pytest.raises(jit.ToolchainError, match=r"NVSHMEM 3\.4\.5 .* needs >= 3\.8"):
         check_nvshmem_version((3, 4, 5), "somewhere")
     check_nvshmem_version((3, 8, 0), "somewhere")
 
 
+def test_jit_errors_become_epjit_errors_with_the_rank(monkeypatch):
+    """The JIT layer raises its own exceptions; the families' loader hands them on as epjit's, tagged with the
+    rank, so ``except epjit.CompileError`` (an EpjitError) catches a kernel that does not compile."""
+    import epjit
+    from epjit import errors
+    from epjit.ops import loader
+
+    monkeypatch.setattr(errors, "_rank", 3)
+    for raised, expected in ((jit.CompileError("nvrtc said no"), epjit.CompileError),
+                             (jit.ToolchainError("no NVRTC"), epjit.SetupError)):
+        def fail(*args, raised=raised):
+            raise raised
+
+        monkeypatch.setattr(loader.jit, "load", fail)
+        with pytest.raises(expected, match=r"\(rank 3\)$") as info:
+            loader.load(check_specs()[0], 0)
+        assert isinstance(info.value, epjit.EpjitError)
+    assert issubclass(epjit.CompileError, jit.CompileError)
+
+
 def test_ptx_only_in_ptx_header():
-    offenders = [p.name for p in CUDA_SRC.iterdir() if p.name != "ptx.cuh" and re.search(r"\basm\b", p.read_text())]
+    offenders = [p.name for p in CUDA_SRC.rglob("*.cu*")
+                 if p.name != "ptx.cuh" and re.search(r"\basm\b", p.read_text())]
     assert not offenders, f"inline asm outside ptx.cuh: {offenders}"
 
 
@@ -193,7 +265,7 @@ def test_every_spin_wait_goes_through_timeout_while():
     # none may exist (the one in wait.cuh's report path parks forever on purpose, behind a trap).
     bare = re.compile(r"while\s*\([^)]*(ld_|volatile|atomic)[^)]*\)|while\s*\(\s*(true|1)\s*\)")
     offenders = []
-    for path in CUDA_SRC.iterdir():
+    for path in CUDA_SRC.rglob("*.cu*"):
         if path.name == "wait.cuh":
             continue
         for i, line in enumerate(path.read_text().splitlines(), 1):
@@ -203,7 +275,7 @@ def test_every_spin_wait_goes_through_timeout_while():
 
 
 def test_import_epjit_touches_nothing():
-    probe = ("import sys, epjit, epjit.jit, epjit.kernels, epjit.reference, epjit.arrays; "
+    probe = ("import sys, epjit, epjit.jit, epjit.kernels, epjit.reference, epjit.arrays, epjit.buffer, epjit.ops; "
              "bad = [m for m in ('cupy', 'mpi4py', 'nvshmem', 'torch', 'jax', 'cuda.bindings.runtime') "
              "if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -235,14 +307,14 @@ def test_ptxas_resources_of_the_intranode_kernels(capsys):
     from epjit.jit.compiler import ptxas_resources
     from epjit.kernels import intranode_spec
 
-    res = ptxas_resources(intranode_spec(4), "sm_90")
+    res = ptxas_resources(intranode_spec(4), "sm_90", jit_config())
     assert set(res) == {"intranode_dispatch", "intranode_combine"}, res
     for r in res.values():
         assert 0 < r.registers <= 65536 // 768 // 8 * 8, r  # __launch_bounds__(768, 1)
     assert res["intranode_dispatch"].spill_stores <= 64, res["intranode_dispatch"]
-    from epjit.jit.__main__ import _print_resources  # what `python -m epjit.jit --check --resources` prints
+    from epjit.jit.cli import print_resources  # what `python -m epjit.jit --check --resources` prints
 
-    _print_resources(intranode_spec(4), "sm_90")
+    print_resources(intranode_spec(4), "sm_90", jit_config())
     printed = capsys.readouterr().out
     assert re.search(r"intranode_dispatch\s+\d+ registers, +\d+ B stack", printed), printed
 
@@ -258,7 +330,7 @@ def test_intranode_compiles_with_the_fewest_warps_its_spec_accepts(ranks, tmp_pa
     warps = 2 * ranks - 1
     spec = intranode_spec(ranks, 32 * warps)
     assert (spec.dispatch_send_warps, spec.dispatch_drain_warps, spec.combine_send_warps) == (1, 1, 1)
-    assert compile_spec(spec, "sm_90").lowered_names["intranode_dispatch"]
+    assert compile_spec(spec, "sm_90", jit_config()).lowered_names["intranode_dispatch"]
     with pytest.raises(ValueError, match="cannot form"):
         intranode_spec(ranks, 32 * (warps - 1))
 
@@ -277,22 +349,14 @@ def test_programmatic_launch_config():
 
 
 def test_programmatic_launches_wait_for_their_predecessor():
-    """A kernel launched programmatically may start before the kernel ahead of it ends: its source must call
-    griddepcontrol_wait() before it reads what that kernel wrote (a kernel without one would race)."""
-    package = ROOT / "epjit"
-    launched = set()
-    for path in package.rglob("*.py"):
-        text = path.read_text()
-        for m in re.finditer(r"programmatic=True", text):
-            call = text.rfind(".launch(", 0, m.start())
-            name = re.match(r'\.launch\(\s*"(\w+)"', text[call:])
-            if name:  # (module.py's own docstring and signature name no kernel)
-                launched.add(name.group(1))
-    assert launched, "no programmatic launch found: update this test"
-    sources = "\n".join(p.read_text() for p in CUDA_SRC.glob("*.cu"))
-    for kernel in sorted(launched):
-        start = re.search(rf"__global__[^;{{]*?\b{kernel}\s*\(", sources, re.S)
+    """A kernel launched programmatically (its spec's PROGRAMMATIC set) may start before the kernel ahead of it ends:
+    its source must call griddepcontrol_wait() before it reads what that kernel wrote (without one it would race)."""
+    launched = {(spec.SOURCE, kernel) for spec in ALL_SPECS for kernel in spec.PROGRAMMATIC}
+    assert ("intranode.cu", "intranode_dispatch") in launched, "update this test: dispatch is launched with PDL"
+    for source, kernel in sorted(launched):
+        text = (CUDA_SRC / source).read_text()
+        start = re.search(rf"__global__[^;{{]*?\b{kernel}\s*\(", text, re.S)
         assert start, kernel
-        end = sources.find("__global__", start.end())
-        body = sources[start.end():end if end >= 0 else None]
+        end = text.find("__global__", start.end())
+        body = text[start.end():end if end >= 0 else None]
         assert "griddepcontrol_wait()" in body, f"{kernel} is launched programmatically but never waits"

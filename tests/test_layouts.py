@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 
 from epjit import memory
-from epjit.jit.toolchain import CUDA_SRC
+from epjit.kernels import cuda_sources
+
+CUDA_SRC = cuda_sources()
 
 HEADER = (CUDA_SRC / "peers.cuh").read_text()
 

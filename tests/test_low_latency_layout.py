@@ -6,9 +6,11 @@ import re
 
 import pytest
 
-from epjit.jit.toolchain import CUDA_SRC
+from epjit.kernels import cuda_sources
 from epjit.kernels import low_latency as ll
+from epjit.ops import low_latency as ll_ops
 
+CUDA_SRC = cuda_sources()
 HEADER = (CUDA_SRC / "low_latency.cuh").read_text()
 KERNELS = (CUDA_SRC / "low_latency.cu").read_text()
 
@@ -28,7 +30,7 @@ def test_constants_match_the_sources():
                   ("STATUS_INVALID_IDS", "kLowLatencyInvalidIds"), ("STATUS_SLOT_OVERFLOW", "kLowLatencySlotOverflow"),
                   ("STATUS_META_MISMATCH", "kLowLatencyMetaMismatch"),
                   ("STATUS_LAYOUT_TOO_BIG", "kLowLatencyLayoutTooBig"), ("STATUS_BIT_COUNT", "kStatusBitCount")]:
-        assert getattr(ll, py) == _constexpr(KERNELS, c), py
+        assert getattr(ll_ops, py) == _constexpr(KERNELS, c), py  # the family's public protocol constants
     fields = re.findall(r"int32_t (\w+)(?:\[(\d+)\])?;", re.search(r"struct LowLatencySync \{(.*?)\};", HEADER,
                                                                    re.S).group(1))
     assert sum(4 * int(n or 1) for _, n in fields) == ll.SYNC_BYTES
@@ -47,7 +49,7 @@ def test_set_bytes_follow_the_header_regions():
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 def test_buffer_is_at_most_deepeps(ranks):
-    # Issue 4's memory rule, at its benchmark size: 128 tokens x 7168 x 256 experts.
+    # No more memory than DeepEP's buffer, at the benchmark's size: 128 tokens x 7168 x 256 experts.
     ours = ll.low_latency_size_hint(128, 7168, ranks, 256)
     deepep = ll.deepep_low_latency_size_hint(128, 7168, ranks, 256)
     assert ours <= deepep
@@ -64,8 +66,8 @@ def test_message_stride_fits_both_payloads():
 
 
 def test_the_build_without_nvshmem_serves_only_where_every_peer_has_a_pointer():
-    from epjit.buffer import low_latency_needs_puts
     from epjit.memory import SymmetricHeap
+    from epjit.ops.low_latency import needs_puts as low_latency_needs_puts
 
     def heap(*peer_ptrs: int) -> SymmetricHeap:  # nvshmem_ptr's answers, without NVSHMEM
         h = object.__new__(SymmetricHeap)

@@ -1,22 +1,24 @@
 """What the host makes of notify's words (no GPU): the rows it allocates before the counts are known, and the
-errors it raises from the status, meta and totals notify publishes (intranode.cu's host_out layout)."""
+errors it raises from the status, meta and totals notify publishes (epjit.ops.intranode's record layout), and
+from the low-latency kernels' status words."""
 
 from __future__ import annotations
 
-import collections
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from epjit import ArgumentError, Buffer
-from epjit import buffer as b
 from epjit.kernels.intranode import META_INTS
+from epjit.ops import intranode as ops
+from epjit.ops import low_latency as ll_ops
 
 
 def _estimate(ranks: int, rates: list[float], num_tokens: int) -> int:
-    history = collections.deque(rates, maxlen=b._RATE_HISTORY)
-    return Buffer._recv_rows_estimate(SimpleNamespace(num_ranks=ranks, _recv_rates=history), num_tokens)
+    estimate = ops.RowEstimate(ranks)
+    estimate.rates.extend(rates)
+    return estimate.rows(num_tokens)
 
 
 def test_first_estimate_is_every_token_to_every_rank_then_the_largest_recent_rate_with_slack():
@@ -25,43 +27,40 @@ def test_first_estimate_is_every_token_to_every_rank_then_the_largest_recent_rat
     # 3.6 rows a token at most lately (layers differ): 3.6 x 4096 x 17/16 + 128
     assert _estimate(4, [3.1, 3.6, 2.9], 4096) == int(3.6 * 4096 * 17 / 16) + 128
     assert _estimate(8, [5.3], 0) == 128  # an empty rank still has room for a few rows
-    # Only the last _RATE_HISTORY calls count: an early outlier ages out.
-    assert _estimate(4, [3.9] + [3.0] * b._RATE_HISTORY, 1000) == int(3.0 * 1000 * 17 / 16) + 128
+    # Only the last RATE_HISTORY calls count: an early outlier ages out.
+    assert _estimate(4, [3.9] + [3.0] * ops.RATE_HISTORY, 1000) == int(3.0 * 1000 * 17 / 16) + 128
+    estimate = ops.RowEstimate(2)
+    estimate.saw(0, 10)  # an empty call says nothing about the rate
+    estimate.saw(100, 150)
+    assert list(estimate.rates) == [1.5]
 
 
-class _Host:
-    def __init__(self, ints: np.ndarray) -> None:
-        self.ints = ints  # MappedHostArray.ints
-
-
-def _host_out(status: int, metas: list[list[int]], totals: list[int]) -> _Host:
+def _host_out(status: int, metas: list[list[int]], totals: list[int]) -> np.ndarray:
     r = len(metas)
     ints = np.zeros(2 + (META_INTS + 1) * r + 4, dtype=np.int32)
     ints[0], ints[1] = totals[0], status
     for i, m in enumerate(metas):
         ints[2 + i * META_INTS:2 + i * META_INTS + len(m)] = m
     ints[2 + META_INTS * r:2 + (META_INTS + 1) * r] = totals
-    return _Host(ints)
+    return ints
 
 
-def _check(host: _Host, num_worst_tokens: int = 0) -> str:
-    stub = SimpleNamespace(num_ranks=2, num_nvl_bytes=1 << 20,
-                           _describe_meta=Buffer._describe_meta)
-    with pytest.raises(ArgumentError) as e:
-        Buffer._check_status(stub, host.ints, num_worst_tokens)
-    return str(e.value)
+def _check(ints: np.ndarray, num_worst_tokens: int = 0) -> str:
+    error = ops.refusal(ints, 2, 1 << 20, num_worst_tokens)
+    assert isinstance(error, ArgumentError)
+    return str(error)
 
 
 def test_worst_tokens_too_small_names_the_ranks_that_overflow():
-    worst = b._FLAG_WORST_TOKENS
-    host = _host_out(b._STATUS_WORST_TOO_SMALL, [[7168, 64, 8, worst, 100], [7168, 64, 8, worst, 100]], [90, 130])
+    worst = ops.FLAG_WORST_TOKENS
+    host = _host_out(ops.STATUS_WORST_TOO_SMALL, [[7168, 64, 8, worst, 100], [7168, 64, 8, worst, 100]], [90, 130])
     msg = _check(host, 100)
     assert "num_worst_tokens=100 is too small" in msg and "rank 1: 130 for 100" in msg and "rank 0" not in msg
 
 
 def test_differing_meta_is_named_but_own_bits_are_not():
     # rank 1 used num_worst_tokens (an own bit) and another hidden size: only hidden is reported.
-    host = _host_out(b._STATUS_META_MISMATCH, [[7168, 64, 8, 0, 10], [4096, 64, 8, b._FLAG_WORST_TOKENS, 10]],
+    host = _host_out(ops.STATUS_META_MISMATCH, [[7168, 64, 8, 0, 10], [4096, 64, 8, ops.FLAG_WORST_TOKENS, 10]],
                      [5, 5])
     msg = _check(host)
     assert "hidden differs across ranks: rank 0: 7168, rank 1: 4096" in msg and "flags" not in msg
@@ -69,19 +68,19 @@ def test_differing_meta_is_named_but_own_bits_are_not():
 
 def test_sizes_that_differ_only_in_an_own_bit_still_differ():
     # 2048 and 2056 differ in bit 3, which is an own bit of the flags word (num_worst_tokens), not of hidden.
-    host = _host_out(b._STATUS_META_MISMATCH, [[2048, 64, 8, 0, 10], [2056, 64, 8, 0, 10]], [5, 5])
+    host = _host_out(ops.STATUS_META_MISMATCH, [[2048, 64, 8, 0, 10], [2056, 64, 8, 0, 10]], [5, 5])
     assert "hidden differs across ranks: rank 0: 2048, rank 1: 2056" in _check(host)
 
 
 def test_over_capacity_with_a_handle_says_the_routing_changed():
-    host = _host_out(b._STATUS_OVER_CAPACITY, [[7168, 64, 8, 0, 40], [7168, 64, 8, 0, 40]], [40, 41])
+    host = _host_out(ops.STATUS_OVER_CAPACITY, [[7168, 64, 8, 0, 40], [7168, 64, 8, 0, 40]], [40, 41])
     msg = _check(host)
     assert "does not match the handle's" in msg and "rank 1: 41 for 40" in msg
 
 
 def test_nothing_to_say_when_the_status_is_clear():
     host = _host_out(0, [[7168, 64, 8, 0, 10], [7168, 64, 8, 0, 10]], [5, 5])
-    Buffer._check_status(SimpleNamespace(num_ranks=2, num_nvl_bytes=1), host.ints, 0)
+    assert ops.refusal(host, 2, 1, 0) is None
 
 
 class _FakeRecord:
@@ -91,6 +90,10 @@ class _FakeRecord:
         self.num_bytes = num_bytes
         self.ints = np.zeros(num_bytes // 4, dtype=np.int32)
         self.closed = False
+        self.device_ptr = 0
+
+    def parts(self, num_bytes: int) -> list[_FakeRecord]:
+        return [_FakeRecord(num_bytes) for _ in range(self.num_bytes // num_bytes)]
 
     def close(self) -> None:
         self.closed = True
@@ -105,133 +108,145 @@ class _FakeEvent:
         self.waited = self.done = True
 
 
-def _records_buffer(monkeypatch: pytest.MonkeyPatch) -> Buffer:
-    monkeypatch.setattr(b, "MappedHostArray", _FakeRecord)
-    monkeypatch.setattr(b, "_capturing", lambda: False)
-    buf = object.__new__(Buffer)  # only the host-record state: no group, no GPU
-    buf.num_ranks, buf.num_nvl_bytes = 2, 1 << 20
-    buf._host_records, buf._host_record_calls = [None] * b._HOST_RECORDS, [-1] * b._HOST_RECORDS
-    buf._host_calls, buf._pending, buf._graph_record, buf._record_pool = 0, collections.deque(), None, None
-    return buf
+def _records(monkeypatch: pytest.MonkeyPatch, rank: int = 0) -> ops.HostRecords:
+    monkeypatch.setattr(ops, "MappedHostArray", _FakeRecord)
+    return ops.HostRecords(rank, 2, 1 << 20, 64, raise_for=lambda e: None)
 
 
-def _worst_call(buf: Buffer, status: int = 0) -> tuple[_FakeRecord, _FakeEvent]:
+def _worst_call(records: ops.HostRecords, status: int = 0) -> tuple[_FakeRecord, _FakeEvent]:
     """A worst-token dispatch as dispatch() books it: a record, then a pending entry; notify's status written."""
-    record, call = buf._host_record(64)
+    record, call = records.take(64, captured=False)
     record.ints[:] = 0
     record.ints[1] = status
     if status:  # both ranks asked for 8 rows and would receive 30
         for i in range(2):
-            record.ints[2 + i * META_INTS + 3] = b._FLAG_WORST_TOKENS
+            record.ints[2 + i * META_INTS + 3] = ops.FLAG_WORST_TOKENS
             record.ints[2 + i * META_INTS + 4] = 8
         record.ints[2 + META_INTS * 2:2 + META_INTS * 2 + 2] = 30
     event = _FakeEvent()
-    buf._pending.append((call, b.Event(event), record, 8))
+    records.add_pending(call, event, record, 8)
     return record, event
 
 
+def _not_capturing() -> bool:
+    return False
+
+
 def test_a_refusal_the_host_ran_past_is_raised_later_not_overwritten(monkeypatch):
-    buf = _records_buffer(monkeypatch)
-    refused, refused_event = _worst_call(buf, b._STATUS_WORST_TOO_SMALL)
-    fine, fine_event = _worst_call(buf)
+    records = _records(monkeypatch)
+    refused, refused_event = _worst_call(records, ops.STATUS_WORST_TOO_SMALL)
+    fine, fine_event = _worst_call(records)
     assert fine is not refused  # each call has its own record: the second cannot overwrite the first's status
-    buf._check_pending()  # neither event done: nothing to say yet, nothing waited for
-    assert len(buf._pending) == 2 and not refused_event.waited
+    records.check(_not_capturing)  # neither event done: nothing to say yet, nothing waited for
+    assert len(records.pending) == 2 and not refused_event.waited
     refused_event.done = fine_event.done = True
+    records.check(lambda: True)  # not while the caller captures a graph
+    assert len(records.pending) == 2
     with pytest.raises(ArgumentError, match="num_worst_tokens=8 is too small for what arrives"):
-        buf._check_pending()
-    buf._check_pending()  # reported once; the later call had nothing to report
-    assert not buf._pending
+        records.check(_not_capturing)
+    records.check(_not_capturing)  # reported once; the later call had nothing to report
+    assert not records.pending
 
 
 def test_a_record_comes_round_only_after_its_last_call_is_reported(monkeypatch):
-    buf = _records_buffer(monkeypatch)
-    first, first_event = _worst_call(buf, b._STATUS_WORST_TOO_SMALL)
-    for _ in range(b._HOST_RECORDS - 1):
-        _worst_call(buf)
-    assert len({id(r) for r in buf._host_records}) == b._HOST_RECORDS
+    records = _records(monkeypatch)
+    first, first_event = _worst_call(records, ops.STATUS_WORST_TOO_SMALL)
+    for _ in range(ops.HOST_RECORDS - 1):
+        _worst_call(records)
+    assert len({id(r) for r in records.records}) == ops.HOST_RECORDS
     # The next call needs the first record again: the host waits for the first call and raises its refusal before
     # any of the new call's kernels could be launched.
     with pytest.raises(ArgumentError, match="too small for what arrives"):
-        buf._host_record(64)
-    assert first_event.waited and len(buf._pending) == b._HOST_RECORDS - 1
-    record, call = buf._host_record(64)  # the next record's last call had nothing to report
-    assert call == b._HOST_RECORDS + 1 and record is buf._host_records[1] and len(buf._pending) == b._HOST_RECORDS - 2
+        records.take(64, captured=False)
+    assert first_event.waited and len(records.pending) == ops.HOST_RECORDS - 1
+    record, call = records.take(64, captured=False)  # the next record's last call had nothing to report
+    assert call == ops.HOST_RECORDS + 1 and record is records.records[1]
+    assert len(records.pending) == ops.HOST_RECORDS - 2
     # More experts than a record holds: a larger one replaces it, the old one is freed.
-    old = buf._host_records[2]
-    bigger, _ = buf._host_record(1 << 16)
-    assert bigger.num_bytes > 4096 and buf._host_records[2] is bigger and old.closed
+    old = records.records[2]
+    bigger, _ = records.take(1 << 16, captured=False)
+    assert bigger.num_bytes > 4096 and records.records[2] is bigger and old.closed
+    # A captured dispatch always takes the graph's record, which the host never waits for.
+    assert records.take(64, captured=True) == (records.graph, -1)
+    with pytest.raises(ArgumentError, match="captured in a CUDA graph takes up to 4096 experts"):
+        records.take(1 << 20, captured=True)
 
 
 def test_a_refused_graph_replay_is_raised_by_the_next_look_once(monkeypatch):
-    buf = _records_buffer(monkeypatch)
-    buf.rank = 1
-    buf._graph_record = record = _FakeRecord(4096)
-    buf._check_pending()  # notify never wrote the graph's record: nothing to say
+    records = _records(monkeypatch, rank=1)
+    record = records.graph
+    records.check(_not_capturing)  # notify never wrote the graph's record: nothing to say
     # What notify writes when it refuses a replay (kFlagCaptured): rank 1 asked for 8 rows and would receive 30.
-    record.ints[1] = b._STATUS_WORST_TOO_SMALL
+    record.ints[1] = ops.STATUS_WORST_TOO_SMALL
     for i, capacity in enumerate((100, 8)):
-        record.ints[2 + i * META_INTS + 3] = b._FLAG_WORST_TOKENS | b._FLAG_CAPTURED
+        record.ints[2 + i * META_INTS + 3] = ops.FLAG_WORST_TOKENS | ops.FLAG_CAPTURED
         record.ints[2 + i * META_INTS + 4] = capacity
     record.ints[2 + META_INTS * 2:2 + META_INTS * 2 + 2] = (20, 30)
     with pytest.raises(ArgumentError, match=r"replayed from a CUDA graph was refused on every rank: "
                                             r"num_worst_tokens=8 is too small .*rank 1: 30 for 8\)"):
-        buf._check_pending()
-    buf._check_pending()  # read once: the record's status was cleared
+        records.check(_not_capturing)
+    records.check(_not_capturing)  # read once: the record's status was cleared
 
 
-def _closable_with_refusal(monkeypatch: pytest.MonkeyPatch) -> tuple[Buffer, list[str]]:
-    buf = _records_buffer(monkeypatch)
+def _closable_with_refusal(monkeypatch: pytest.MonkeyPatch) -> tuple[Buffer, list[str], ops.HostRecords]:
+    records = _records(monkeypatch)
     released: list[str] = []
-    buf._closed, buf._ll, buf.comm_stream = False, None, None
+    intranode = object.__new__(ops.Intranode)  # only the host-record state: no group, no GPU
+    intranode.records = records
+    buf = object.__new__(Buffer)
+    buf._closed, buf._ll, buf._intranode, buf.comm_stream = False, None, intranode, None
     buf.mem = SimpleNamespace(synchronize=lambda stream: None, close=lambda: released.append("peer memory"))
-    _, event = _worst_call(buf, b._STATUS_WORST_TOO_SMALL)
+    monkeypatch.setattr(Buffer, "_caller_capturing", lambda self: False)
+    _, event = _worst_call(records, ops.STATUS_WORST_TOO_SMALL)
     event.done = True
-    return buf, released
+    return buf, released, records
 
 
 def test_close_raises_an_unreported_refusal_after_releasing_everything(monkeypatch):
-    buf, released = _closable_with_refusal(monkeypatch)
+    buf, released, records = _closable_with_refusal(monkeypatch)
     with pytest.raises(ArgumentError, match="too small for what arrives"):
         buf.close()
-    assert released == ["peer memory"] and buf._host_records[0].closed
+    assert released == ["peer memory"] and records.records[0].closed and records.pool.closed
     buf.close()  # closed once: nothing more to raise
 
 
 def test_leaving_a_with_block_on_an_exception_keeps_that_exception(monkeypatch):
-    buf, released = _closable_with_refusal(monkeypatch)
+    buf, released, _ = _closable_with_refusal(monkeypatch)
     with pytest.raises(KeyError), buf:
         raise KeyError("the caller's own error")
     assert released == ["peer memory"]
 
 
 def test_synchronize_and_close_raise_what_a_low_latency_kernel_found_once(monkeypatch):
-    buf, released = _closable_with_refusal(monkeypatch)
-    buf._pending.clear()
-    buf.num_experts, buf.num_max_dispatch_tokens_per_rank = 64, 8
+    buf, released, records = _closable_with_refusal(monkeypatch)
+    records.pending.clear()
     status = np.zeros(16, dtype=np.int32)
-    buf._ll = SimpleNamespace(host_status=SimpleNamespace(ints=status), close=lambda: released.append("ll"),
-                              status_seen=np.zeros(1 + b.STATUS_BIT_COUNT, dtype=np.int32))
+    ll = object.__new__(ll_ops.LowLatency)  # only the status words: no GPU
+    ll.num_experts, ll.num_max_tokens, ll.closed = 64, 8, False
+    ll.host_status = SimpleNamespace(ints=status, close=lambda: released.append("ll"))
+    ll.status_seen = np.zeros(1 + ll_ops.STATUS_BIT_COUNT, dtype=np.int32)
+    buf._ll = ll
 
     def publish(bits: int) -> None:  # what a low-latency call's last block does (publish_status)
-        for i in range(b.STATUS_BIT_COUNT):
+        for i in range(ll_ops.STATUS_BIT_COUNT):
             status[1 + i] += bits >> i & 1
         status[0] += 1
 
-    publish(b.STATUS_INVALID_IDS)
+    publish(ll_ops.STATUS_INVALID_IDS)
     with pytest.raises(ArgumentError, match=r"earlier low-latency call was wrong.*outside \[-1, num_experts=64\)"):
         buf.synchronize()
     buf.synchronize()  # once
     assert status[0] == 1 and status[1] == 1  # the host never writes the kernels' words
-    publish(b.STATUS_INVALID_IDS)  # the same problem again is raised again, and alone
-    with pytest.raises(ArgumentError, match=r"valid: topk_idx had entries outside \[-1, num_experts=64\) \(skipped\)$"):
+    publish(ll_ops.STATUS_INVALID_IDS)  # the same problem again is raised again, and alone
+    with pytest.raises(ArgumentError,
+                       match=r"valid: topk_idx had entries outside \[-1, num_experts=64\) \(skipped\)$"):
         buf.synchronize()
-    publish(b.STATUS_SLOT_OVERFLOW)
-    publish(b.STATUS_META_MISMATCH | b.STATUS_SLOT_OVERFLOW)  # two reports between checks: both raised at once
+    publish(ll_ops.STATUS_SLOT_OVERFLOW)
+    publish(ll_ops.STATUS_META_MISMATCH | ll_ops.STATUS_SLOT_OVERFLOW)  # two reports between checks: both at once
     with pytest.raises(ArgumentError, match="num_max_dispatch_tokens_per_rank=8 slots.*another hidden size") as e:
         buf.close()
     assert "outside" not in str(e.value)
-    assert released == ["ll", "peer memory"]
+    assert released == ["ll", "peer memory"] and ll.closed
 
 
 def test_pooled_records_share_one_allocation_and_close_with_it():

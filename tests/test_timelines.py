@@ -7,9 +7,10 @@ import re
 
 import pytest
 
-from epjit.jit.toolchain import CUDA_SRC
-from epjit.kernels import intranode, low_latency
+from epjit.kernels import cuda_sources, intranode, low_latency
 from epjit.kernels.foundation import TIMELINE_SLOTS, TIMELINE_SM_SLOT, TIMELINE_TAG_SLOT
+
+CUDA_SRC = cuda_sources()
 
 
 def _enum(source: str, name: str) -> list[tuple[str, int]]:

@@ -1,19 +1,27 @@
-"""The JIT layer: NVRTC compile (+ nvJitLink for NVSHMEM), disk cache, CuPy load and launch.
+"""The JIT layer: NVRTC compile (+ nvJitLink for NVSHMEM), disk cache, CuPy load and launch by argument name.
 
-It knows kernel specs (template parameters and argument C types) and nothing about MoE.
+It knows kernel specs (template parameters, argument names and C types) and nothing about MoE, and it imports
+nothing else of epjit: where the sources are, where the cache lives and the version come in a :class:`JitConfig`.
 ``python -m epjit.jit --check [--arch sm_90]`` compiles and links every module without a GPU.
 """
 
 from __future__ import annotations
 
 from .compiler import CompiledModule, compile_spec, normalize_arch
+from .config import JitConfig
+from .errors import CompileError, JitError, ToolchainError
 from .module import Module, device_arch, load, unload_all
-from .spec import KernelSpec, camel_param
+from .spec import KernelArgs, KernelSpec, camel_param
 
 __all__ = [
+    "CompileError",
     "CompiledModule",
+    "JitConfig",
+    "JitError",
+    "KernelArgs",
     "KernelSpec",
     "Module",
+    "ToolchainError",
     "camel_param",
     "compile_spec",
     "device_arch",

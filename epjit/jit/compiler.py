@@ -16,11 +16,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import __version__
-from ..env import codegen_settings, settings
-from ..errors import CompileError, with_rank
+from .config import JitConfig
+from .errors import CompileError
 from .spec import KernelSpec
-from .toolchain import CUDA_SRC, nvshmem, toolchain
+from .toolchain import nvshmem, toolchain
 
 log = logging.getLogger("epjit.jit")
 
@@ -45,8 +44,8 @@ def normalize_arch(arch: str | int) -> str:
     return f"sm_{text}"
 
 
-def included_files(source: Path, seen: set[Path] | None = None) -> list[Path]:
-    """The file and every file of cuda_src/ it includes, recursively (system headers are keyed by version)."""
+def included_files(source: Path, source_dir: Path, seen: set[Path] | None = None) -> list[Path]:
+    """The file and every file of source_dir it includes, recursively (system headers are keyed by version)."""
     seen = set() if seen is None else seen
     if source in seen:
         return []
@@ -55,38 +54,38 @@ def included_files(source: Path, seen: set[Path] | None = None) -> list[Path]:
     for name in _INCLUDE.findall(source.read_text()):
         candidate = (source.parent / name).resolve()
         if not candidate.is_file():
-            candidate = (CUDA_SRC / name).resolve()
+            candidate = (source_dir / name).resolve()
         if candidate.is_file():
-            files += included_files(candidate, seen)
+            files += included_files(candidate, source_dir, seen)
     return files
 
 
-def compile_options(spec: KernelSpec, arch: str) -> list[str]:
+def compile_options(spec: KernelSpec, arch: str, config: JitConfig) -> list[str]:
     tc = toolchain()
-    options = [f"-arch={arch}", "-std=c++17", "-default-device", "-lineinfo", "-DNDEBUG"]
+    options = [f"-arch={arch}", "-std=c++17", "-default-device", "-lineinfo", "-DNDEBUG", f"-I{config.source_dir}"]
     options += [f"-I{d}" for d in tc.include_dirs]
     if spec.USES_NVSHMEM:
         options += ["-rdc=true", f"-I{nvshmem().include_dir}"]
     return options
 
 
-def cache_key(spec: KernelSpec, arch: str, options: list[str]) -> str:
+def cache_key(spec: KernelSpec, arch: str, options: list[str], config: JitConfig) -> str:
     h = hashlib.sha256()
-    h.update(f"epjit {__version__}\n{type(spec).__name__} {spec!r}\n{arch}\n".encode())
+    h.update(f"version {config.version}\n{type(spec).__name__} {spec!r}\n{arch}\n".encode())
     h.update(f"nvrtc {toolchain().nvrtc_version}\n".encode())
     if spec.USES_NVSHMEM:
         h.update(f"nvshmem {nvshmem().version}\n".encode())
     # Options carry absolute include paths; the header contents are hashed instead, so a moved checkout hits.
     h.update(" ".join(o for o in options if not o.startswith("-I")).encode())
-    h.update(json.dumps(codegen_settings(), sort_keys=True).encode())
-    for path in sorted(included_files(CUDA_SRC / spec.SOURCE)):
+    h.update(json.dumps(sorted(config.key_extra)).encode())
+    for path in sorted(included_files(config.source_dir / spec.SOURCE, config.source_dir)):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 
-def cache_paths(spec: KernelSpec, arch: str, key: str) -> tuple[Path, Path]:
-    folder = settings().cache_dir / __version__ / arch
+def cache_paths(spec: KernelSpec, arch: str, key: str, config: JitConfig) -> tuple[Path, Path]:
+    folder = config.cache_dir / config.version / arch
     stem = f"{spec.family}.{key}"
     return folder / f"{stem}.cubin", folder / f"{stem}.json"
 
@@ -122,13 +121,13 @@ def _read_cached(cubin: Path, meta: Path, spec: KernelSpec) -> dict[str, str] | 
     return names
 
 
-def compile_spec(spec: KernelSpec, arch: str, *, force: bool = False) -> CompiledModule:
+def compile_spec(spec: KernelSpec, arch: str, config: JitConfig, *, force: bool = False) -> CompiledModule:
     """The cubin of ``spec`` for ``arch``: from the cache when present, else compiled (and linked) now."""
     arch = normalize_arch(arch)
     start = time.perf_counter()
-    options = compile_options(spec, arch)
-    key = cache_key(spec, arch, options)
-    cubin_path, meta_path = cache_paths(spec, arch, key)
+    options = compile_options(spec, arch, config)
+    key = cache_key(spec, arch, options, config)
+    cubin_path, meta_path = cache_paths(spec, arch, key, config)
     if not force:
         names = _read_cached(cubin_path, meta_path, spec)
         if names is not None:
@@ -160,11 +159,11 @@ _PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 
 
-def ptxas_resources(spec: KernelSpec, arch: str) -> dict[str, KernelResources]:
+def ptxas_resources(spec: KernelSpec, arch: str, config: JitConfig) -> dict[str, KernelResources]:
     """Every kernel's resources as ptxas reports them (`-Xptxas=-v` through NVRTC; no GPU needed, nothing is
     cached). For modules that link NVSHMEM these are before nvJitLink's link."""
     arch = normalize_arch(arch)
-    options = [*compile_options(spec, arch), "-Xptxas=-v"]
+    options = [*compile_options(spec, arch, config), "-Xptxas=-v"]
     scratch = Path(tempfile.gettempdir()) / f"epjit-ptxas-{os.getpid()}-{spec.family}.cubin"
     _, names, log_text = _nvrtc_compile(spec, options, scratch)
     by_symbol = {symbol: kernel for kernel, symbol in names.items()}
@@ -189,13 +188,13 @@ def _nvrtc_compile(spec: KernelSpec, options: list[str], cubin_path: Path) -> tu
     program_name = f"{spec.family}.generated.cu"  # not the .cu it includes, or NVRTC sees a self-include
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), program_name.encode(), 0, [], [])
     if err != ok:
-        raise CompileError(with_rank(f"nvrtcCreateProgram failed for {spec.family}: {err}"))
+        raise CompileError(f"nvrtcCreateProgram failed for {spec.family}: {err}")
     try:
         expressions = spec.name_expressions()
         for expr in expressions.values():
             (err,) = nvrtc.nvrtcAddNameExpression(prog, expr.encode())
             if err != ok:
-                raise CompileError(with_rank(f"nvrtcAddNameExpression({expr}) failed: {err}"))
+                raise CompileError(f"nvrtcAddNameExpression({expr}) failed: {err}")
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
         _, log_size = nvrtc.nvrtcGetProgramLogSize(prog)
         log_bytes = b" " * log_size
@@ -203,22 +202,20 @@ def _nvrtc_compile(spec: KernelSpec, options: list[str], cubin_path: Path) -> tu
         log_text = log_bytes.rstrip(b"\x00 ").decode(errors="replace")
         if err != ok:
             dumped = _dump_failed_source(cubin_path, source, options, log_text)
-            raise CompileError(
-                with_rank(f"NVRTC failed to compile {spec.family} ({err.name}):\n{log_text}\n"
-                          f"generated source and options kept at {dumped}")
-            )
+            raise CompileError(f"NVRTC failed to compile {spec.family} ({err.name}):\n{log_text}\n"
+                               f"generated source and options kept at {dumped}")
         if log_text:
             log.debug("NVRTC log for %s:\n%s", spec.family, log_text)
         _, size = nvrtc.nvrtcGetCUBINSize(prog)
         cubin = b" " * size
         (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
         if err != ok:
-            raise CompileError(with_rank(f"nvrtcGetCUBIN failed for {spec.family}: {err}"))
+            raise CompileError(f"nvrtcGetCUBIN failed for {spec.family}: {err}")
         names = {}
         for kernel, expr in expressions.items():
             err, lowered = nvrtc.nvrtcGetLoweredName(prog, expr.encode())
             if err != ok:
-                raise CompileError(with_rank(f"nvrtcGetLoweredName({expr}) failed: {err}"))
+                raise CompileError(f"nvrtcGetLoweredName({expr}) failed: {err}")
             names[kernel] = lowered.decode()
         return cubin, names, log_text
     finally:
@@ -248,7 +245,7 @@ def _nvjitlink(spec: KernelSpec, arch: str, cubin: bytes) -> bytes:
             if size:
                 nvjitlink.get_error_log(handle, err_log)
             text = err_log.rstrip(b"\x00").decode(errors="replace")
-            raise CompileError(with_rank(f"nvJitLink failed to link {spec.family} with {library}: {e}\n{text}")) from e
+            raise CompileError(f"nvJitLink failed to link {spec.family} with {library}: {e}\n{text}") from e
         size = nvjitlink.get_linked_cubin_size(handle)
         linked = bytearray(size)
         nvjitlink.get_linked_cubin(handle, linked)

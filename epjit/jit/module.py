@@ -5,9 +5,10 @@ before their first launch (NVSHMEM patches the module's device-side state there)
 
 Launching sits on the path of every call, so it costs a few microseconds: each kernel gets, once, a parameter block
 (one 8-byte slot per argument) and the array of pointers to those slots that ``cuLaunchKernel`` takes; a launch
-packs all arguments into the block with one ``struct.pack_into`` and calls the driver. Arguments that call cannot
-pack (None, CuPy arrays, values of the wrong type or range) take CuPy's launch path after
-:meth:`~epjit.jit.spec.KernelSpec.pack`, which casts them or raises naming the argument.
+packs all arguments (a :class:`~epjit.jit.spec.KernelArgs`, filled by name) into the block with one
+``struct.pack_into`` and calls the driver. Arguments that call cannot pack (None, CuPy arrays, values of the wrong
+type or range, an argument never set) take CuPy's launch path after :meth:`~epjit.jit.spec.KernelSpec.pack`, which
+casts them or raises naming the argument.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..env import settings
-from ..errors import CompileError, SetupError, with_rank
 from .compiler import CompiledModule, compile_spec, normalize_arch
-from .spec import ARG_SLOT_BYTES, KernelSpec
+from .config import JitConfig
+from .errors import CompileError, ToolchainError
+from .spec import ARG_SLOT_BYTES, KernelArgs, KernelSpec
 
 log = logging.getLogger("epjit.jit")
 
@@ -33,9 +34,9 @@ _FAST_PACK_ERRORS = (struct.error, TypeError, ValueError, OverflowError)
 class _Kernel:
     """One kernel's launch state: the CuPy kernel, and the parameter block the fast path packs into."""
 
-    __slots__ = ("fn", "ptr", "packer", "block", "params", "params_ptr", "lock", "max_shared", "ex")
+    __slots__ = ("fn", "ptr", "packer", "block", "params", "params_ptr", "lock", "max_shared", "ex", "programmatic")
 
-    def __init__(self, fn: Any, packer: struct.Struct | None, num_args: int) -> None:
+    def __init__(self, fn: Any, packer: struct.Struct | None, num_args: int, programmatic: bool) -> None:
         self.fn = fn  # a cupy.RawKernel
         self.ptr = int(fn.kernel.ptr)  # its CUfunction on the current device (the module's: see load())
         self.packer = packer  # None: a C type the fast path does not know; every launch takes pack()'s path
@@ -48,6 +49,7 @@ class _Kernel:
         self.lock = threading.Lock()
         self.max_shared = 48 * 1024  # dynamic shared memory allowed without raising the function's limit
         self.ex: tuple[Any, Any] | None = None  # (CUfunction, CUlaunchConfig) of programmatic launches, made once
+        self.programmatic = programmatic  # launched with programmatic stream serialization (KernelSpec.PROGRAMMATIC)
 
 
 def _programmatic_config() -> Any:
@@ -67,9 +69,8 @@ def _programmatic_config() -> Any:
 _loaded: dict[tuple[Path, int], Module] = {}
 
 
-def device_arch(device: int | None = None) -> str:
-    """``sm_XY`` of the given (default: current) CUDA device; EPJIT_ARCH overrides it."""
-    override = settings().arch
+def device_arch(device: int | None = None, override: str | None = None) -> str:
+    """``sm_XY`` of the given (default: current) CUDA device, or ``override`` when given."""
     if override:
         return normalize_arch(override)
     import cupy
@@ -91,12 +92,12 @@ class Module:
             self.raw = cupy.RawModule(path=str(compiled.cubin_path))
             self._functions = {k: self.raw.get_function(name) for k, name in compiled.lowered_names.items()}
         except cupy.cuda.driver.CUDADriverError as e:
-            raise CompileError(with_rank(f"cannot load {compiled.cubin_path} on cuda:{device}: {e}")) from e
+            raise CompileError(f"cannot load {compiled.cubin_path} on cuda:{device}: {e}") from e
         from cupy_backends.cuda.api import driver
 
         self._launch_kernel = driver.launchKernel
         self._current_stream = cupy.cuda.get_current_stream
-        self._kernels = {k: _Kernel(fn, self._arg_format(k), len(self.spec.KERNELS[k]))
+        self._kernels = {k: _Kernel(fn, self._arg_format(k), len(self.spec.KERNELS[k]), k in self.spec.PROGRAMMATIC)
                          for k, fn in self._functions.items()}
         self._nvshmem_initialised = False
         if self.spec.USES_NVSHMEM:
@@ -112,28 +113,29 @@ class Module:
         try:
             from nvshmem import bindings as nvshmem_bindings
         except ImportError as e:
-            raise SetupError(with_rank(f"{self.spec.family} calls NVSHMEM but nvshmem4py is missing: "
-                                       f"pip install 'epjit[cuda13]' ({e})")) from None
+            raise ToolchainError(f"{self.spec.family} calls NVSHMEM but nvshmem4py is missing: "
+                                 f"pip install 'epjit[cuda13]' ({e})") from None
         status = nvshmem_bindings.cumodule_init(int(self.raw.module.ptr))
         if status not in (None, 0):
-            raise SetupError(with_rank(f"nvshmemx_cumodule_init failed ({status}) for {self.spec.family}: "
-                                       "is NVSHMEM initialised on this rank (epjit.memory.SymmetricHeap)?"))
+            raise ToolchainError(f"nvshmemx_cumodule_init failed ({status}) for {self.spec.family}: is NVSHMEM "
+                                 "initialised in this process?")
         self._nvshmem_initialised = True
 
-    def launch(self, kernel: str, grid: int | tuple[int, ...], block: int | tuple[int, ...], *args: Any,
-               shared_mem: int = 0, stream: Any = None, programmatic: bool = False) -> None:
-        """Launch `kernel` on `stream` (default: CuPy's current stream). Arguments in signature order: ints
-        (addresses for pointer parameters), floats, bools, None (a null pointer) or CuPy arrays (their address).
-        Only integers and CuPy arrays are taken as addresses: a torch tensor is not an argument (pass
-        ``data_ptr()``). A grid or block size below 1 is launched as 1, as CuPy does.
+    def launch(self, args: KernelArgs, grid: int | tuple[int, ...], block: int | tuple[int, ...], *,
+               shared_mem: int = 0, stream: Any = None) -> None:
+        """Launch ``args.kernel`` with ``args`` on ``stream`` (a CuPy stream, a raw stream address, or None: CuPy's
+        current stream). Arguments: ints (addresses for pointer parameters), floats, bools, None (a null pointer)
+        or CuPy arrays (their address); a torch tensor is not an argument (pass ``data_ptr()``). A grid or block
+        size below 1 is launched as 1, as CuPy does.
 
-        ``programmatic=True`` launches with programmatic stream serialization (cuLaunchKernelEx): the kernel may
-        start before the previous kernel on the stream has ended, and must call griddepcontrol_wait() before it
-        touches anything that kernel writes. Arguments only CuPy's path packs launch the plain way (still
-        correct: the wait is then a no-op)."""
-        k = self._kernels.get(kernel)
-        if k is None:
-            raise KeyError(f"{self.spec.family} has no kernel {kernel!r}; it has {sorted(self._functions)}")
+        A kernel of the spec's PROGRAMMATIC set launches with programmatic stream serialization (cuLaunchKernelEx):
+        it may start before the previous kernel on the stream has ended, and calls griddepcontrol_wait() before it
+        touches anything that kernel writes. Arguments only CuPy's path packs launch the plain way (still correct:
+        the wait is then a no-op)."""
+        k = self._kernels.get(args.kernel)
+        if k is None or (args.spec is not self.spec and args.spec != self.spec):
+            raise KeyError(f"{self.spec.family} cannot launch {args.kernel!r} of {args.spec.family}; it has "
+                           f"{sorted(self._functions)}")
         if shared_mem > k.max_shared:
             k.fn.max_dynamic_shared_size_bytes = shared_mem
             k.max_shared = shared_mem
@@ -144,17 +146,20 @@ class Module:
             b = (block if isinstance(block, tuple) else (int(block),)) + (1, 1)
             gx, gy, gz = max(1, g[0]), max(1, g[1]), max(1, g[2])
             bx, by, bz = max(1, b[0]), max(1, b[1]), max(1, b[2])
-        stream_ptr = (stream if stream is not None else self._current_stream()).ptr
+        if type(stream) is int:
+            stream_ptr = stream
+        else:
+            stream_ptr = (stream if stream is not None else self._current_stream()).ptr
         packer = k.packer
         if packer is not None:
             with k.lock:
                 try:
-                    packer.pack_into(k.block, 0, *args)
+                    packer.pack_into(k.block, 0, *args.values)
                 except _FAST_PACK_ERRORS:
                     pass  # something only pack() converts (or reports): CuPy's path below
                 else:
                     try:
-                        if programmatic:
+                        if k.programmatic:
                             self._launch_programmatic(k, gx, gy, gz, bx, by, bz, shared_mem, stream_ptr)
                         else:
                             self._launch_kernel(k.ptr, gx, gy, gz, bx, by, bz, shared_mem, stream_ptr,
@@ -162,7 +167,11 @@ class Module:
                         return
                     except Exception:  # noqa: BLE001 - e.g. no current context on this thread: CuPy's path sets
                         pass  # one up, and raises the error again if it is real (a failed launch queued nothing)
-        packed = self.spec.pack(kernel, args)
+        packed = self.spec.pack(args.kernel, args.values)
+        if type(stream) is int:
+            import cupy
+
+            stream = cupy.cuda.ExternalStream(stream)
         k.fn((gx, gy, gz), (bx, by, bz), packed, shared_mem=shared_mem, stream=stream)
 
     @staticmethod
@@ -190,12 +199,12 @@ class Module:
             self._nvshmem_initialised = False
 
 
-def load(spec: KernelSpec, device: int | None = None) -> Module:
+def load(spec: KernelSpec, config: JitConfig, device: int | None = None) -> Module:
     """Compile (or take from the disk cache) and load ``spec`` on ``device`` (default: current); cached per process."""
     import cupy
 
     device = cupy.cuda.runtime.getDevice() if device is None else device
-    compiled = compile_spec(spec, device_arch(device))
+    compiled = compile_spec(spec, device_arch(device, config.arch), config)
     key = (compiled.cubin_path, device)
     module = _loaded.get(key)
     if module is None:

@@ -1,11 +1,13 @@
 """Typed compile-time specs: one frozen dataclass per kernel family.
 
 A spec's fields are the kernel templates' parameters in declaration order (``num_nvl_ranks`` <-> ``kNumNvlRanks``),
-so the instantiation string is rendered from the spec, never glued by hand, and ``tests/test_specs.py`` checks
-every spec against its ``.cu`` signature. Each kernel's runtime arguments are declared with their exact C types,
-and :meth:`KernelSpec.pack` casts every Python scalar to that type: CuPy passes a bare ``int`` as int64, which
-into an ``int`` parameter silently shifts every later argument. :meth:`KernelSpec.arg_format` gives the same types
-as one ``struct`` format, which the launcher's fast path packs every argument with in a single call.
+so the instantiation string is rendered from the spec, never glued by hand. Each kernel's runtime arguments are
+declared by name with their exact C types (``tests/test_jit.py`` holds names, order and types against the ``.cu``
+signature), and call sites give them by name through :class:`KernelArgs`: two arguments of one type cannot be
+swapped at a call site, and a parameter renamed or moved in the ``.cu`` fails the test. :meth:`KernelSpec.pack`
+casts every Python scalar to its C type: CuPy passes a bare ``int`` as int64, which into an ``int`` parameter
+silently shifts every later argument. :meth:`KernelSpec.arg_format` gives the same types as one ``struct`` format,
+which the launcher's fast path packs every argument with in a single call.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ class KernelSpec:
     # kernel template name -> ((argument name, C type), ...) in signature order
     KERNELS: ClassVar[dict[str, tuple[tuple[str, str], ...]]]
     USES_NVSHMEM: ClassVar[bool] = False
+    # Kernels launched with programmatic stream serialization (PDL): each may start before the kernel ahead of it on
+    # the stream ends, so its source calls griddepcontrol_wait() before it reads what that kernel wrote.
+    PROGRAMMATIC: ClassVar[frozenset[str]] = frozenset()
     NAMESPACE: ClassVar[str] = "epjit"
 
     @property
@@ -99,17 +104,78 @@ class KernelSpec:
         errors name the argument."""
         return _arg_format(type(self), kernel)
 
-    def pack(self, kernel: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    def pack(self, kernel: str, args: tuple[Any, ...] | list[Any]) -> tuple[Any, ...]:
         """Cast each argument to the exact C type of the kernel's parameter (arrays pass as pointers)."""
         converters = _converters(type(self), kernel)
         if len(args) != len(converters):
             names = ", ".join(n for n, _ in self.KERNELS[kernel])
             raise TypeError(f"{kernel} takes {len(converters)} arguments ({names}), got {len(args)}")
+        missing = [name for (name, _), value in zip(self.KERNELS[kernel], args, strict=True) if value is MISSING]
+        if missing:
+            raise TypeError(f"{kernel}: no value given for {', '.join(missing)}")
         return tuple(convert(value) for convert, value in zip(converters, args, strict=True))
+
+    def args(self, kernel: str, **named: Any) -> KernelArgs:
+        """The arguments of one launch of ``kernel``, by parameter name (the rest set later with
+        :meth:`KernelArgs.set`; a launch with one still unset raises, naming it)."""
+        if kernel not in self.KERNELS:
+            raise KeyError(f"{type(self).__name__} has no kernel {kernel!r}; it has {sorted(self.KERNELS)}")
+        return KernelArgs(self, kernel, [MISSING] * len(self.KERNELS[kernel])).set(**named)
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+MISSING: Any = _Missing()  # an argument no one has set (packs as nothing: the launch raises, naming it)
+
+
+class KernelArgs:
+    """One kernel's arguments by parameter name, held in signature order for the launcher. A plan keeps one with
+    the arguments that do not change from call to call already set, and each call sets the rest by name."""
+
+    __slots__ = ("spec", "kernel", "values", "_index")
+
+    def __init__(self, spec: KernelSpec, kernel: str, values: list[Any]) -> None:
+        self.spec = spec
+        self.kernel = kernel
+        self.values = values
+        self._index = _param_index(type(spec), kernel)
+
+    def set(self, **named: Any) -> KernelArgs:
+        index, values = self._index, self.values
+        try:
+            for name, value in named.items():
+                values[index[name]] = value
+        except KeyError as e:
+            raise TypeError(f"{self.kernel} has no parameter {e.args[0]!r}; it has {', '.join(index)}") from None
+        return self
+
+    def copy(self) -> KernelArgs:
+        """An independent copy (for a launch that happens later, e.g. a receive hook)."""
+        return KernelArgs(self.spec, self.kernel, list(self.values))
+
+    def __getitem__(self, name: str) -> Any:
+        return self.values[self._index[name]]
+
+    def __repr__(self) -> str:
+        pairs = ", ".join(f"{n}={v!r}" for n, v in zip(self._index, self.values, strict=True))
+        return f"{self.kernel}({pairs})"
 
 
 _CONVERTERS: dict[tuple[type, str], list[Any]] = {}
 _ARG_FORMATS: dict[tuple[type, str], struct.Struct] = {}
+_PARAM_INDEX: dict[tuple[type, str], dict[str, int]] = {}
+
+
+def _param_index(spec_type: type, kernel: str) -> dict[str, int]:
+    """Parameter name -> position in the kernel's signature, built once per (spec class, kernel)."""
+    key = (spec_type, kernel)
+    found = _PARAM_INDEX.get(key)
+    if found is None:
+        found = _PARAM_INDEX[key] = {name: i for i, (name, _) in enumerate(spec_type.KERNELS[kernel])}
+    return found
 
 
 def _arg_format(spec_type: type, kernel: str) -> struct.Struct:

@@ -10,16 +10,15 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import SetupError
+from .errors import ToolchainError
 
-CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
-MIN_NVSHMEM = (3, 8)
+MIN_NVSHMEM = (3, 8)  # older device headers do not compile under NVRTC
 
 
 @dataclass(frozen=True)
 class Toolchain:
     nvrtc_version: tuple[int, int]
-    include_dirs: tuple[Path, ...]
+    include_dirs: tuple[Path, ...]  # the CUDA runtime's and CCCL's headers
 
 
 @dataclass(frozen=True)
@@ -41,20 +40,20 @@ def toolchain() -> Toolchain:
     try:
         from cuda.bindings import nvrtc
     except ImportError as e:
-        raise SetupError(f"epjit needs NVRTC through cuda-bindings: pip install 'epjit[cuda13]' ({e})") from None
+        raise ToolchainError(f"epjit needs NVRTC through cuda-bindings: pip install 'epjit[cuda13]' ({e})") from None
     err, major, minor = nvrtc.nvrtcVersion()
     if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise SetupError(f"NVRTC could not be loaded ({err}); install nvidia-cuda-nvrtc matching cuda-bindings")
-    includes = [CUDA_SRC]
+        raise ToolchainError(f"NVRTC could not be loaded ({err}); install nvidia-cuda-nvrtc matching cuda-bindings")
+    includes = []
     cudart = _find_header_dir("cudart")
     if cudart is None:
-        raise SetupError("CUDA runtime headers not found: pip install nvidia-cuda-runtime (or set CUDA_HOME)")
+        raise ToolchainError("CUDA runtime headers not found: pip install nvidia-cuda-runtime (or set CUDA_HOME)")
     includes.append(cudart)
     cccl = _find_header_dir("cccl")
     if cccl is None and (cudart / "cccl").is_dir():
         cccl = cudart / "cccl"
     if cccl is None:
-        raise SetupError("CCCL headers not found: pip install nvidia-cuda-cccl (or set CUDA_HOME)")
+        raise ToolchainError("CCCL headers not found: pip install nvidia-cuda-cccl (or set CUDA_HOME)")
     includes.append(cccl)
     return Toolchain(nvrtc_version=(int(major), int(minor)), include_dirs=tuple(includes))
 
@@ -64,7 +63,7 @@ def parse_nvshmem_version(header: str) -> tuple[int, int, int]:
     for which in ("MAJOR", "MINOR", "PATCH"):
         m = re.search(rf"#define\s+NVSHMEM_VENDOR_{which}_VERSION\s+(\d+)", header)
         if m is None:
-            raise SetupError(f"cannot read NVSHMEM_VENDOR_{which}_VERSION from nvshmem_version.h")
+            raise ToolchainError(f"cannot read NVSHMEM_VENDOR_{which}_VERSION from nvshmem_version.h")
         parts.append(int(m.group(1)))
     return parts[0], parts[1], parts[2]
 
@@ -72,7 +71,7 @@ def parse_nvshmem_version(header: str) -> tuple[int, int, int]:
 def check_nvshmem_version(version: tuple[int, int, int], where: str) -> None:
     if version[:2] < MIN_NVSHMEM:
         have = ".".join(map(str, version))
-        raise SetupError(
+        raise ToolchainError(
             f"NVSHMEM {have} found at {where}, but epjit needs >= {MIN_NVSHMEM[0]}.{MIN_NVSHMEM[1]} "
             "(older device headers do not compile under NVRTC): pip install 'nvidia-nvshmem-cu13>=3.8'"
         )
@@ -82,14 +81,14 @@ def check_nvshmem_version(version: tuple[int, int, int], where: str) -> None:
 def nvshmem() -> Nvshmem:
     include = _find_header_dir("nvshmem")
     if include is None:
-        raise SetupError("NVSHMEM headers not found: pip install 'nvidia-nvshmem-cu13>=3.8'")
+        raise ToolchainError("NVSHMEM headers not found: pip install 'nvidia-nvshmem-cu13>=3.8'")
     version_h = include / "non_abi" / "nvshmem_version.h"
     if not version_h.is_file():
-        raise SetupError(f"{version_h} is missing: the NVSHMEM installation at {include} is incomplete or too old")
+        raise ToolchainError(f"{version_h} is missing: the NVSHMEM installation at {include} is incomplete or too old")
     version = parse_nvshmem_version(version_h.read_text())
     check_nvshmem_version(version, str(include))
     # pathfinder does not list the static device library: it sits in ../lib beside the headers.
     library = include.parent / "lib" / "libnvshmem_device.a"
     if not library.is_file():
-        raise SetupError(f"libnvshmem_device.a not found at {library} (NVSHMEM {'.'.join(map(str, version))})")
+        raise ToolchainError(f"libnvshmem_device.a not found at {library} (NVSHMEM {'.'.join(map(str, version))})")
     return Nvshmem(version=version, include_dir=include, device_library=library)

@@ -1,35 +1,61 @@
-"""One frozen spec per kernel family, plus the pure heuristics that choose configs (no GPU needed)."""
+"""One frozen spec per kernel family, the pure heuristics that choose configs (no GPU needed), and where the kernel
+sources are: the JIT layer's configuration comes from here."""
 
 from __future__ import annotations
 
-from ..jit.spec import KernelSpec
-from .foundation import BarrierSpec, CopyCeilingSpec, PutSignalCheckSpec, SpinSpec
+import importlib.resources
+from pathlib import Path
+
+from .._version import __version__
+from ..env import codegen_settings, settings
+from ..jit import JitConfig, KernelSpec
+from .foundation import BarrierSpec, PutSignalCheckSpec
 from .intranode import IntranodeNotifySpec, IntranodeSpec, LayoutSpec, intranode_spec
 from .low_latency import LowLatencyPutsSpec, LowLatencySpec
 
 __all__ = [
     "BarrierSpec",
-    "CopyCeilingSpec",
     "IntranodeNotifySpec",
     "IntranodeSpec",
     "LayoutSpec",
     "LowLatencyPutsSpec",
     "LowLatencySpec",
     "PutSignalCheckSpec",
-    "SpinSpec",
     "check_specs",
+    "cuda_sources",
     "intranode_spec",
+    "jit_config",
 ]
 
 
+def cuda_sources() -> Path:
+    """The folder of the kernel sources: inside the installed package (a wheel ships them as package data,
+    epjit/cuda_src/), or cuda_src/ at the top of a source checkout (which is where they are edited)."""
+    packaged = importlib.resources.files("epjit") / "cuda_src"
+    if packaged.is_dir():
+        return Path(str(packaged))
+    checkout = Path(__file__).resolve().parents[2] / "cuda_src"
+    if checkout.is_dir():
+        return checkout
+    raise FileNotFoundError(f"epjit's kernel sources are neither at {packaged} (an installed wheel) nor at "
+                            f"{checkout} (a source checkout): reinstall epjit")
+
+
+def jit_config() -> JitConfig:
+    """The JIT layer's configuration from epjit's settings (read now: tests and launchers may change them)."""
+    s = settings()
+    return JitConfig(source_dir=cuda_sources(), cache_dir=s.cache_dir, version=__version__, arch=s.arch,
+                     key_extra=tuple(sorted(codegen_settings().items())))
+
+
 def check_specs() -> list[KernelSpec]:
-    """Every module `python -m epjit.jit --check` builds: each family at the instantiations epjit uses."""
+    """Every module of the product `python -m epjit.jit --check` builds: each family at the instantiations epjit
+    uses (the benchmark adds its own: epjit.bench.kernels.bench_specs)."""
     specs: list[KernelSpec] = [BarrierSpec(n) for n in (1, 2, 4, 8)]
-    specs += [PutSignalCheckSpec(False), PutSignalCheckSpec(True), LayoutSpec(), SpinSpec(), CopyCeilingSpec()]
+    specs += [PutSignalCheckSpec(False), PutSignalCheckSpec(True), LayoutSpec()]
     for ranks in (2, 4, 8):
         specs += [IntranodeNotifySpec(ranks), intranode_spec(ranks)]
-    # The variants EPJIT_INTRANODE_VARIANT offers for the 4-rank A/B (scripts/gpu_ab.sh): the phased dispatch,
-    # and combine with other than the formula's 4 sending warps a peer.
+    # A tuning variant (Config's warp-role fields): the phased dispatch with 3 combine senders a peer.
     specs.append(intranode_spec(4, dispatch_phased=1, combine_send_warps=3))
     specs += [LowLatencySpec(), LowLatencyPutsSpec()]
     return specs

@@ -1,5 +1,4 @@
-"""Specs of the foundation kernels: the NVLink barrier (+ its exchange self-check), the NVSHMEM self-check, and the
-wall-clock spin and copy ceilings of the benchmark."""
+"""Specs of the foundation kernels: the NVLink barrier (+ its exchange self-check) and the NVSHMEM self-check."""
 
 from __future__ import annotations
 
@@ -42,24 +41,3 @@ class PutSignalCheckSpec(KernelSpec):
         "put_signal_check": (PEERS, ("round", "int"), ("num_ints", "int"), ("skip_rank", "int"), ("errors", "int*")),
     }
     USES_NVSHMEM = True
-
-
-@dataclass(frozen=True)
-class SpinSpec(KernelSpec):
-    """cuda_src/clock.cu: one thread spins for a wall-clock time (the benchmark hides host launches behind it)."""
-
-    SOURCE = "clock.cu"
-    KERNELS = {"spin_for_ns": (("ns", "uint64_t"),)}
-
-
-@dataclass(frozen=True)
-class CopyCeilingSpec(KernelSpec):
-    """cuda_src/ceiling.cu: warp copies into the NVLink buffers of chosen ranks (the benchmark's ceilings)."""
-
-    SOURCE = "ceiling.cu"
-    KERNELS = {
-        "copy_ceiling": (PEERS, ("dst_mask", "int"), ("schedule", "int"), ("pull", "int"), ("skew", "int"),
-                         ("src", "const int4*"), ("n_int4", "int64_t")),
-        "copy_ceiling_bulk": (PEERS, ("dst_mask", "int"), ("src", "const char*"), ("n_bytes", "int64_t"),
-                              ("stage_bytes", "int")),
-    }

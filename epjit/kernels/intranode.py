@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..env import settings
 from ..jit.spec import KernelSpec
 
 PEERS = ("peers", "const PeersTable*")
@@ -54,11 +53,12 @@ class IntranodeNotifySpec(KernelSpec):
 class IntranodeSpec(KernelSpec):
     """cuda_src/intranode.cu's dispatch and combine. Past the ranks and the block size, the fields say how a block's
     warps split into roles (DispatchRoles, CombineRoles): the host sizes the default chunks by the same numbers the
-    kernel runs. :func:`intranode_spec` gives the measured defaults; EPJIT_INTRANODE_VARIANT overrides them (env.py).
+    kernel runs. :func:`intranode_spec` gives the measured defaults.
 
     dispatch_send_warps / dispatch_drain_warps: a peer each (the own copy gets the warps they leave);
     combine_send_warps: a peer (then one coordinator warp, then readers); dispatch_phased: one sending group of
-    every sending warp serves the peers one at a time, in turn (NCCL's p2p schedule), instead of a group a peer."""
+    every sending warp serves the peers one at a time, in turn (NCCL's p2p schedule), instead of a group a peer.
+    Config's warp-role fields override the defaults (Config.spec)."""
 
     num_ranks: int
     num_threads: int
@@ -86,7 +86,9 @@ class IntranodeSpec(KernelSpec):
             ("out_topk_weights", "float*"), ("num_tokens", "int"), ("hidden", "int"), ("num_topk", "int"),
             ("num_channels", "int"), ("num_slots", "int"), ("num_max_send_tokens", "int"), ("timeline", "uint64_t*")),
     }
-    # The fields EPJIT_INTRANODE_VARIANT may set (the others follow from the Buffer).
+    # Dispatch may start while notify, ahead of it, still runs: it waits for notify's writes (griddepcontrol.wait).
+    PROGRAMMATIC = frozenset({"intranode_dispatch"})
+    # The fields a Config may set (the others follow from the Buffer).
     TUNABLE = ("dispatch_send_warps", "dispatch_drain_warps", "combine_send_warps", "dispatch_phased")
 
     def __post_init__(self) -> None:
@@ -152,11 +154,6 @@ def intranode_spec(num_ranks: int, num_threads: int = NUM_THREADS, /, **override
     fields.update(overrides)
     return IntranodeSpec(num_ranks, num_threads, fields["dispatch_send_warps"], fields["dispatch_drain_warps"],
                          fields["combine_send_warps"], bool(fields["dispatch_phased"]))
-
-
-def configured_intranode_spec(num_ranks: int) -> IntranodeSpec:
-    """What a Buffer of this many ranks runs: the default warp roles with EPJIT_INTRANODE_VARIANT's overrides."""
-    return intranode_spec(num_ranks, NUM_THREADS, **dict(settings().intranode_variant))
 
 
 def normal_grid(num_channels: int, num_device_sms: int) -> int:

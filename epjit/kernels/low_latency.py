@@ -13,12 +13,8 @@ LOW_LATENCY_MAX_TOPK = 16  # kLowLatencyMaxTopk: combine slots per token
 LOW_LATENCY_HEADER_BYTES = 16 + 8 * LOW_LATENCY_MAX_TOPK  # kLowLatencyHeaderBytes: int4 + an int2 entry a slot
 SYNC_BYTES = 32  # sizeof(LowLatencySync); int32 expert_sent[num_experts] follow it
 MAX_DYNAMIC_SHARED_BYTES = 227 * 1024  # sm_90's opt-in limit per block
-PHASE_SEND, PHASE_RECV = 1, 2
 # EPJIT_PROFILE: enum TimelinePoint of cuda_src/low_latency.cu, in order (stamps per block, timeline.cuh)
 TIMELINE_POINTS = ("start", "acks", "sent", "counted", "counts", "received", "end")
-FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4
-STATUS_INVALID_IDS, STATUS_SLOT_OVERFLOW, STATUS_META_MISMATCH, STATUS_LAYOUT_TOO_BIG = 1, 2, 4, 8
-STATUS_BIT_COUNT = 4  # host_status: [0] reports, [1 + b] calls that raised bit b (publish_status)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 import epjit
-from epjit import reference
+from epjit import bench, reference
 from epjit.config import COMBINE_READERS
 
 BF16 = ml_dtypes.bfloat16
@@ -197,12 +197,18 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--loops", type=int, default=200)
+    parser.add_argument("--warp-roles", default="", help="Config's warp-role fields for every call, e.g. "
+                                                         "dispatch_phased=1,combine_send_warps=3")
     args = parser.parse_args()
     group = epjit.init()
     torch.cuda.set_device(group.device)
     R, rank = group.size, group.rank
     buf = epjit.Buffer(group, num_nvl_bytes=epjit.Buffer.get_normal_size_hint(R, 7168, 8, 256))
-    result: dict = {"rank": rank, "size": R, "cases": 0, "kernels": buf._intranode_spec.family}
+    if args.warp_roles:  # what a call without a config gets: these roles, with the chunks a call of them gets
+        roles = bench.parse_roles(args.warp_roles)
+        buf._dispatch_config = bench.case_config("dispatch", R, 24, 0, 256, roles)
+        buf._combine_config = bench.case_config("combine", R, 24, 0, 256, roles)
+    result: dict = {"rank": rank, "size": R, "cases": 0, "kernels": buf._dispatch_config.spec(R).family}
     start = time.perf_counter()
     try:
         cases = []
@@ -340,7 +346,7 @@ def main() -> int:
                 h.update(digest(d.x, d.topk_idx, c.x, c.topk_weights).encode())
             runs.append(h.hexdigest()[:16])
         result["loops_identical"] = runs[0] == runs[1]
-        result["retries"] = buf._dispatch_retries
+        result["retries"] = buf._intranode.estimate.retries
         result["loops"] = args.loops
     finally:
         buf.close()

@@ -20,9 +20,9 @@ t_start = time.perf_counter()
 import cupy  # noqa: E402
 
 import epjit  # noqa: E402
-from epjit import jit  # noqa: E402
 from epjit.kernels import BarrierSpec, PutSignalCheckSpec  # noqa: E402
 from epjit.memory import PeerMemory  # noqa: E402
+from epjit.ops.loader import load  # noqa: E402
 
 
 def main() -> int:
@@ -45,21 +45,23 @@ def main() -> int:
                     "init_s": round(t_init, 3), "peer_memory_s": round(t_mem, 3)}
     try:
         t0 = time.perf_counter()
-        barrier = jit.load(BarrierSpec(group.num_nvl_ranks))
-        checks = {direct: jit.load(PutSignalCheckSpec(direct)) for direct in (False, True)}
+        barrier = load(BarrierSpec(group.num_nvl_ranks), group.device)
+        checks = {direct: load(PutSignalCheckSpec(direct), group.device) for direct in (False, True)}
         result["load_s"] = round(time.perf_counter() - t0, 3)
         result["compiled_now"] = [m.spec.family for m in (barrier, *checks.values()) if not m.compiled.from_cache]
 
         errors = cupy.zeros(1, dtype=cupy.int32)
         num_ints = 1 << 16  # 4 sources x 256 KiB: enough to catch a barrier that lets a reader in early
         skip = args.skip_rank if args.skip_in == "barrier" else -1
-        barrier.launch("nvl_exchange_check", 1, 512, mem.table_ptr, args.rounds, num_ints, skip, errors)
+        barrier.launch(barrier.spec.args("nvl_exchange_check", peers=mem.table_ptr, num_rounds=args.rounds,
+                                         num_ints=num_ints, skip_rank=skip, errors=errors), 1, 512)
         mem.synchronize()
         result["nvl_exchange_errors"] = int(errors.get()[0])
 
         t0 = time.perf_counter()
+        barrier_args = barrier.spec.args("nvl_barrier", peers=mem.table_ptr)
         for _ in range(100):
-            barrier.launch("nvl_barrier", 1, 32, mem.table_ptr)
+            barrier.launch(barrier_args, 1, 32)
         mem.synchronize()
         result["nvl_barrier_us"] = round((time.perf_counter() - t0) / 100 * 1e6, 1)
 
@@ -72,8 +74,8 @@ def main() -> int:
             for round_ in range(1, 9):
                 # Fresh rounds only after everyone checked the last one: the inbox is reused.
                 group.barrier()
-                module.launch("put_signal_check", group.size, 256, mem.table_ptr, round_ + 8 * direct, 4096, skip,
-                              errors)
+                module.launch(module.spec.args("put_signal_check", peers=mem.table_ptr, round=round_ + 8 * direct,
+                                               num_ints=4096, skip_rank=skip, errors=errors), group.size, 256)
                 mem.synchronize()
             result[f"nvshmem_{'direct' if direct else 'put'}_errors"] = int(errors.get()[0])
         group.barrier()

@@ -1,7 +1,7 @@
 """``python -m epjit.launch -n N -m epjit.bench [--json out.json]``: epjit beside NCCL all_to_all_single.
 
 Same run, same inputs, same bytes: for each case the routing's split sizes feed NCCL's ``all_to_all_single`` (what a
-user would write instead of epjit). Timing follows DESIGN.md's protocol: CUDA events around the operation,
+user would write instead of epjit). Timing follows docs/benchmark.md's protocol: CUDA events around the operation,
 warm-up first, median of ``--repeat`` runs (>= 20), a barrier between runs: a host barrier, a 500 us wall-clock
 spin on the GPU that hides the host's launches of what follows, then a one-element NCCL all_reduce so every GPU
 starts the timed operation at about the same moment (see _start_together).
@@ -9,7 +9,7 @@ starts the timed operation at about the same moment (see _start_together).
 Bandwidth columns:
   out GB/s    bytes that leave this GPU (rows to other ranks) / time: what NVLink carries
   DeepEP GB/s received rows (self included) x row bytes / time: DeepEP's accounting, to compare with theirs
-  % NVLink    out GB/s against the measured plain-store ceiling (DESIGN.md: 331-345 GB/s, all ranks at once)
+  % NVLink    out GB/s against the measured plain-store ceiling (PLAIN_STORE_CEILING_GBS; docs/performance.md)
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .config import Config, get_combine_config, get_dispatch_config
-from .env import settings
-from .kernels.intranode import configured_intranode_spec
-from .kernels.low_latency import deepep_low_latency_size_hint
+from ..config import Config, get_combine_config, get_dispatch_config
+from ..env import settings
+from ..kernels.low_latency import deepep_low_latency_size_hint
 
-PLAIN_STORE_CEILING_GBS = 345.0  # DESIGN.md, 4 x H200, 16-byte stores from all SMs, all ranks to all peers
+# 16-byte stores from all SMs, all ranks to all peers at once, 4 x H200 (docs/performance.md: the ceilings)
+PLAIN_STORE_CEILING_GBS = 345.0
 
 
 @dataclass
@@ -54,7 +54,7 @@ def current_cupy_stream() -> Any:
     """CuPy's object for torch's current stream, for launching epjit's kernels where torch's work runs."""
     import torch
 
-    from .arrays import cupy_stream
+    from ..arrays import cupy_stream
 
     return cupy_stream(torch.cuda.current_stream().cuda_stream, torch.cuda.current_device())
 
@@ -76,26 +76,22 @@ def _start_together(group: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from . import jit
+    from ..ops.loader import load
     from .kernels import SpinSpec
 
-    global _ALIGN, _SPIN, _SPIN_STREAM
+    global _ALIGN, _SPIN
     group.barrier()
-    stream = torch.cuda.current_stream()
     if _ALIGN is None:
         _ALIGN = torch.zeros(1, device="cuda")
-        _SPIN = jit.load(SpinSpec(), torch.cuda.current_device())
-    if _SPIN_STREAM is None or _SPIN_STREAM.ptr != stream.cuda_stream:
-        _SPIN_STREAM = current_cupy_stream()
-    _SPIN.launch("spin_for_ns", 1, 1, _HIDE_LAUNCH_NS, stream=_SPIN_STREAM)
+        _SPIN = load(SpinSpec(), torch.cuda.current_device())
+    _SPIN.launch(_SPIN.spec.args("spin_for_ns", ns=_HIDE_LAUNCH_NS), 1, 1,
+                 stream=torch.cuda.current_stream().cuda_stream)
     dist.all_reduce(_ALIGN)
 
 
 _ALIGN: Any = None
 _SPIN: Any = None
-_SPIN_STREAM: Any = None
-# Longer than any host-side launch timed here: on lent hosts a dispatch took 120-200 us to enqueue and a combine
-# 70-130 (bench --profile, 2026-11-23), so 200 us let some runs time the host; 500 leaves room for the slow ones.
+# Longer than any host-side launch timed here, with room for slow hosts (docs/benchmark.md).
 _HIDE_LAUNCH_NS = 500_000
 
 
@@ -195,16 +191,16 @@ def _bench_ceiling(group: Any, args: argparse.Namespace) -> list[Row]:
 
     import epjit
 
-    from . import jit
+    from ..kernels.intranode import NUM_THREADS
+    from ..ops.loader import load
     from .kernels import CopyCeilingSpec
-    from .kernels.intranode import NUM_THREADS
 
     r, me = group.size, group.rank
     n = _CEILING_BYTES
     buf = epjit.Buffer(group, num_nvl_bytes=r * n)
-    module = jit.load(CopyCeilingSpec(), group.device)
+    module = load(CopyCeilingSpec(), group.device)
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
-    stream = current_cupy_stream()
+    stream = torch.cuda.current_stream().cuda_stream
     num_sms = torch.cuda.get_device_properties(group.device).multi_processor_count
     # name: (destination mask, schedule, pull, skew); schedules as in cuda_src/ceiling.cu
     split, rotate, interleave = 0, 1, 2
@@ -230,16 +226,18 @@ def _bench_ceiling(group: Any, args: argparse.Namespace) -> list[Row]:
                     continue  # the bulk kernel only pushes on the split schedule; 1024 threads only there too
                 for sms in sorted({*args.ceiling_sms, num_sms}):
                     blocks = max(dsts, min(sms, num_sms) // dsts * dsts) if schedule == split else min(sms, num_sms)
+                    launch_args = module.spec.args(kernel, peers=buf.mem.table_ptr, dst_mask=mask,
+                                                   src=src.data_ptr())
                     if warps:
                         shared = warps * _CEILING_STAGES * (stage + 8)
-                        launch_args: tuple[Any, ...] = (src.data_ptr(), n, stage)
+                        launch_args.set(n_bytes=n, stage_bytes=stage)
                     else:
-                        shared, launch_args = 0, (schedule, pull, skew, src.data_ptr(), n // 16)
+                        shared = 0
+                        launch_args.set(schedule=schedule, pull=pull, skew=skew, n_int4=n // 16)
 
-                    def copy(kernel: str = kernel, blocks: int = blocks, threads: int = threads, mask: int = mask,
-                             launch_args: tuple[Any, ...] = launch_args, shared: int = shared) -> None:
-                        module.launch(kernel, blocks, threads, buf.mem.table_ptr, mask, *launch_args,
-                                      shared_mem=shared, stream=stream)
+                    def copy(launch_args: Any = launch_args, blocks: int = blocks, threads: int = threads,
+                             shared: int = shared) -> None:
+                        module.launch(launch_args, blocks, threads, shared_mem=shared, stream=stream)
 
                     t = max(group.allgather_object(_median_us(copy, group, args.repeat)))
                     gbs = round(dsts * n / (t * 1e-6) / 1e9, 1)
@@ -252,14 +250,27 @@ def _bench_ceiling(group: Any, args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def case_config(mode: str, num_ranks: int, sms: int, chunk_send: int, chunk_recv: int) -> Config:
+def case_config(mode: str, num_ranks: int, sms: int, chunk_send: int, chunk_recv: int,
+                roles: dict[str, int] | None = None) -> Config:
     """The Config a normal-mode case runs with: the operation's own default chunk (what a call without config
-    gets: combine's differs from dispatch's, and both follow the warp roles EPJIT_INTRANODE_VARIANT may set), or
-    chunk_send when given. Until 2026-11-23 combine was timed with dispatch's chunk (2 ranks: 16 where a plain
-    combine call then used 12)."""
-    spec = configured_intranode_spec(num_ranks)
+    gets: combine's differs from dispatch's, and both follow the warp roles, the defaults or ``roles``: Config's
+    warp-role fields), or chunk_send when given."""
+    spec = Config(**(roles or {})).spec(num_ranks)
     default = get_combine_config(num_ranks, spec) if mode == "combine" else get_dispatch_config(num_ranks, spec)
-    return Config(sms, chunk_send or default.nvl_chunk_send, chunk_recv)
+    return Config(sms, chunk_send or default.nvl_chunk_send, chunk_recv, **(roles or {}))
+
+
+def parse_roles(text: str) -> dict[str, int]:
+    """``dispatch_phased=1,combine_send_warps=3`` -> Config's warp-role fields (--warp-roles)."""
+    roles: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if name.strip() not in ("dispatch_send_warps", "dispatch_drain_warps", "combine_send_warps",
+                                "dispatch_phased") or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"--warp-roles {text!r}: {item!r} is not FIELD=INTEGER with FIELD one of Config's "
+                             "dispatch_send_warps, dispatch_drain_warps, combine_send_warps, dispatch_phased")
+        roles[name.strip()] = int(value)
+    return roles
 
 
 def _bench_normal(group: Any, dist: Any, args: argparse.Namespace, modes: list[str]) -> list[Row]:
@@ -269,15 +280,16 @@ def _bench_normal(group: Any, dist: Any, args: argparse.Namespace, modes: list[s
     hint = epjit.Buffer.get_normal_size_hint(r, max(args.hidden), args.topk, args.experts,
                                              Config(max(args.sms), 1, args.chunk_recv))
     buf = epjit.Buffer(group, num_nvl_bytes=hint)
-    if group.rank == 0:  # which warp roles (EPJIT_INTRANODE_VARIANT) these rows are of
-        print(f"intranode kernels: {configured_intranode_spec(r).family}", flush=True)
+    roles = parse_roles(args.warp_roles)
+    if group.rank == 0:  # which warp roles these rows are of
+        print(f"intranode kernels: {Config(**roles).spec(r).family}", flush=True)
     rows: list[Row] = []
     try:
         for hidden in args.hidden:
             for tokens in args.tokens:
                 for sms in args.sms:
                     for mode in modes:
-                        cfg = case_config(mode, r, sms, args.chunk_send, args.chunk_recv)
+                        cfg = case_config(mode, r, sms, args.chunk_send, args.chunk_recv, roles)
                         rows.append(_bench_case(buf, group, dist, mode, tokens, hidden, args, cfg))
                         if group.rank == 0:
                             _print_row(rows[-1])
@@ -462,7 +474,7 @@ def _bench_low_latency_case(buf: Any, group: Any, dist: Any, args: argparse.Name
         peer = [a[1][kind] for a in all_times]
         nccl_us = max(peer) if None not in peer else None
         row_bytes = msg if kind == "dispatch" else 2 * hidden
-        moved = sum(pairs) * row_bytes  # DESIGN.md: valid (token, expert) pairs x message bytes
+        moved = sum(pairs) * row_bytes  # docs/benchmark.md: valid (token, expert) pairs x message bytes
         out_bytes = (sum(pairs) - pairs[rank]) * row_bytes
         rows.append(Row(mode, tokens, hidden, topk, experts, buf._ll.num_sms if buf._ll else 0, r,
                         round(t, 1), round(nccl_us, 1) if nccl_us else None,
@@ -562,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sms", type=int, nargs="+", default=[24])
     parser.add_argument("--chunk-send", type=int, default=0, help="tokens between tail updates (0: the default)")
     parser.add_argument("--chunk-recv", type=int, default=256)
+    parser.add_argument("--warp-roles", default="",
+                        help="normal mode: Config's warp-role fields, e.g. dispatch_phased=1,combine_send_warps=3 "
+                             "(default: the defaults for the rank count)")
     parser.add_argument("--modes", nargs="+", default=["dispatch", "dispatch-fp8", "combine"],
                         choices=["dispatch", "dispatch-fp8", "combine", "ll-dispatch", "ll-combine", "ll-hook",
                                  "ceiling"],
@@ -586,8 +601,12 @@ def main(argv: list[str] | None = None) -> int:
                 for row in json.load(f)["rows"]:
                     _print_row(Row(**row))
         return 0
+    try:
+        parse_roles(args.warp_roles)
+    except ValueError as e:
+        parser.error(str(e))
     if args.repeat < 20:
-        parser.error("--repeat must be >= 20 (DESIGN.md's protocol)")
+        parser.error("--repeat must be >= 20 (docs/benchmark.md's protocol)")
     if settings().share_gpus:
         parser.error("EPJIT_SHARE_GPUS is set: ranks sharing a GPU are time-sliced, so their timings mean nothing "
                      "(and NCCL refuses two ranks on one GPU)")
@@ -604,7 +623,3 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,13 @@
+"""One home per kernel family, between the user API (``epjit.Buffer``) and the kernels.
+
+Each family module owns its protocol constants and status bits (public names, the same way in every family), the
+decoding of its host records, its outputs and its launches (arguments by name):
+
+- :mod:`epjit.ops.layout`: get_dispatch_layout (normal mode's counts per rank and expert);
+- :mod:`epjit.ops.intranode`: normal mode inside one NVLink node (notify, dispatch, combine);
+- :mod:`epjit.ops.low_latency`: low-latency mode (fixed slots on the NVSHMEM symmetric heap);
+- normal mode across NVLink nodes will be ``epjit.ops.internode``.
+
+Shared by all: :mod:`epjit.ops.streams` (the stream and event policy), :mod:`epjit.ops.profile` (EPJIT_PROFILE)
+and :mod:`epjit.ops.loader` (kernel modules).
+"""

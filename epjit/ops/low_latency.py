@@ -1,0 +1,445 @@
+"""Low-latency mode (decode): every (token, chosen expert) goes straight to a fixed slot of the expert's rank on the
+NVSHMEM symmetric heap, with no count pass; combine writes the expert outputs back into per-(token, k) slots at home
+and reduces them with the gate weights (cuda_src/low_latency.cu, docs/layouts.md).
+
+This module owns the family's protocol constants and status bits, the status words the kernels report through,
+the two buffer sets and their receive hooks, the outputs and the launches. Validation is the Buffer's: what reaches
+here is a plan (what one shape of a call needs, built once) and the call's arrays.
+
+Status words (``host_status``, mapped host memory written by the kernels only): word 0 counts the reports and is
+released after the counts; word 1 + b counts the calls that raised status bit b. The host remembers what it has
+raised and raises what the counts gained since, so a repeated problem is raised again and two reports between two
+looks are raised together.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import jit
+from ..errors import ArgumentError, EpjitError, with_rank
+from ..kernels.low_latency import (
+    LOW_LATENCY_THREADS,
+    SYNC_BYTES,
+    TIMELINE_POINTS,
+    LowLatencyPutsSpec,
+    LowLatencySpec,
+    dispatch_shared_bytes,
+    low_latency_size_hint,
+)
+from ..memory import MappedHostArray, PeerMemory, SymmetricHeap
+from .loader import load
+from .profile import Profile
+from .streams import Event, Outputs, Streams, caller_stream
+
+# Protocol constants of cuda_src/low_latency.cu (tests/test_low_latency_layout.py holds them against it).
+PHASE_SEND, PHASE_RECV = 1, 2  # kPhaseSend, kPhaseRecv: which halves a launch runs
+FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4  # kFlagFp8, kFlagRoundScale, kFlagUe8m0
+# Status bits (kLowLatencyInvalidIds, ...): what a kernel found wrong, reported through the status words.
+STATUS_INVALID_IDS, STATUS_SLOT_OVERFLOW, STATUS_META_MISMATCH, STATUS_LAYOUT_TOO_BIG = 1, 2, 4, 8
+STATUS_BIT_COUNT = 4  # kStatusBitCount: host_status holds [0] reports, [1 + b] calls that raised bit b
+# Blocks of a low-latency kernel, one an SM: both receive halves are bound by what an SM loads, so they want many;
+# beyond 128 nothing was gained (docs/history.md, "Low latency: blocks").
+MAX_BLOCKS = 128
+
+_PHASE_SUFFIX = {PHASE_SEND: ".send", PHASE_RECV: ".recv", PHASE_SEND | PHASE_RECV: ""}
+_META_ALIGN = 64  # int32 elements: each part of a dispatch's metadata allocation starts 256-byte aligned
+
+
+def _cupy() -> Any:
+    import cupy
+
+    return cupy
+
+
+def needs_puts(force_puts: bool, heap: SymmetricHeap | None) -> bool:
+    """Whether the kernels need their build with NVSHMEM puts (LowLatencyPutsSpec): puts forced, or a peer without
+    an NVLink pointer. The build without NVSHMEM's device library launches faster (docs/history.md)."""
+    return force_puts or heap is None or not heap.has_direct_peers
+
+
+def meta_offsets(num_local: int, rows: int, num_ranks: int) -> tuple[int, int, int, int, int]:
+    """Element offsets of a dispatch's metadata parts (src_info, topk_slot, layout_range, recv_count) in its one
+    int32 allocation, each 256-byte aligned, and the total."""
+    def up(n: int) -> int:
+        return (n + _META_ALIGN - 1) // _META_ALIGN * _META_ALIGN
+
+    src, slot = 0, up(num_local * rows)
+    rng = slot + up(num_local * rows)
+    count = rng + up(2 * num_local * num_ranks)
+    return src, slot, rng, count, count + up(num_local)
+
+
+_META_PARTS = ("src_info", "topk_slot", "layout_range", "recv_count")
+
+
+class _Meta:
+    """A dispatch's int32 metadata, one allocation: src_info and topk_slot [L, R*max], layout_range [L, R] int64,
+    recv_count [L]. The kernels take addresses into it; the caller's views of it are made when first read."""
+
+    __slots__ = ("owner", "framework", "ptrs", "offsets", "shape", "_views")
+
+    def __init__(self, owner: Any, framework: str, ptr: int, offsets: tuple[int, ...],
+                 shape: tuple[int, int, int]) -> None:
+        self.owner, self.framework, self.offsets, self.shape = owner, framework, offsets, shape
+        self.ptrs = (ptr + 4 * offsets[0], ptr + 4 * offsets[1], ptr + 4 * offsets[2], ptr + 4 * offsets[3])
+        self._views: dict[str, Any] = {}
+
+    def view(self, name: str) -> Any:
+        found = self._views.get(name)
+        if found is None:
+            found = self._views[name] = self._make(name)
+        return found
+
+    def _make(self, name: str) -> Any:
+        start = self.offsets[_META_PARTS.index(name)]
+        local, rows, ranks = self.shape
+        owner = self.owner
+        if name == "layout_range":
+            flat = owner[start:start + 2 * local * ranks]
+            wide = flat.view(sys.modules["torch"].int64) if self.framework == "torch" else flat.view(np.int64)
+            arr = wide.reshape(local, ranks)
+        elif name == "recv_count":
+            arr = owner[start:start + local]
+        else:
+            arr = owner[start:start + local * rows].reshape(local, rows)
+        if self.framework in ("torch", "cupy"):
+            return arr
+        from ..arrays import from_cupy
+
+        return from_cupy(arr, self.framework, name=name)
+
+
+@dataclass(eq=False)
+class LowLatencyHandle:
+    """What low-latency combine needs to send a dispatch's rows home. ``src_info`` [L, R*max] int32 (source token
+    index of each received row) and ``layout_range`` [L, R] int64 (begin << 32 | count of each source's block) are
+    arrays of the caller's framework, made when first read."""
+
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+    num_topk: int
+    meta: _Meta = field(repr=False)
+    buffer_id: int = field(default=0, repr=False)
+    pending: list[bool] = field(default_factory=lambda: [False], repr=False)  # its dispatch's hook not yet run
+
+    @property
+    def src_info(self) -> Any:
+        return self.meta.view("src_info")
+
+    @property
+    def layout_range(self) -> Any:
+        return self.meta.view("layout_range")
+
+
+class LowLatencyDispatchResult:
+    """x [L, R*max, H] float8_e4m3fn or bf16 (rows past recv_count[e] are garbage); x_scales [L, R*max, H/128]
+    float32 (uint8 exponents with use_ue8m0), or None for bf16; recv_count [L] int32 (made when first read);
+    handle; event; hook (with return_recv_hook: runs the receive half, once)."""
+
+    __slots__ = ("x", "x_scales", "handle", "event", "hook")
+
+    def __init__(self, x: Any, x_scales: Any, handle: LowLatencyHandle, event: Event,
+                 hook: Callable[[], None] | None) -> None:
+        self.x, self.x_scales, self.handle, self.event, self.hook = x, x_scales, handle, event, hook
+
+    @property
+    def recv_count(self) -> Any:
+        return self.handle.meta.view("recv_count")
+
+    @property
+    def src_info(self) -> Any:
+        return self.handle.src_info
+
+    @property
+    def layout_range(self) -> Any:
+        return self.handle.layout_range
+
+
+@dataclass
+class LowLatencyCombineResult:
+    x: Any  # [N, H] bf16
+    event: Event
+    hook: Callable[[], None] | None
+
+
+@dataclass(eq=False)
+class DispatchPlan:
+    """One shape of low_latency_dispatch, validated: outputs to allocate and the launch's constant arguments."""
+
+    framework: str
+    num_tokens: int
+    num_topk: int
+    x_spec: tuple[tuple[int, ...], Any]  # (shape, dtype object of the framework)
+    scales_spec: tuple[tuple[int, ...], Any] | None
+    meta_spec: tuple[tuple[int, ...], Any]
+    meta_offsets: tuple[int, ...]
+    shared_bytes: int
+    args: jit.KernelArgs  # every argument that is the same call after call
+
+
+@dataclass(eq=False)
+class CombinePlan:
+    """One shape of low_latency_combine, validated."""
+
+    framework: str
+    num_tokens: int
+    out_spec: tuple[tuple[int, ...], Any]
+    args: jit.KernelArgs
+
+
+class LowLatency:
+    """A low-latency Buffer's kernels, device words, status words and the bookkeeping of its two buffer sets."""
+
+    def __init__(self, mem: PeerMemory, streams: Streams, outputs: Outputs, profile: Profile, device: int,
+                 num_max_tokens: int, hidden: int, num_experts: int, force_puts: bool, num_sms: int) -> None:
+        cupy = _cupy()
+        self.mem, self.streams, self.outputs, self.profile = mem, streams, outputs, profile
+        self.device = device
+        self.num_ranks = mem.group.size
+        self.num_max_tokens, self.hidden, self.num_experts = num_max_tokens, hidden, num_experts
+        self.force_puts = int(force_puts)
+        self.module = load(LowLatencyPutsSpec() if needs_puts(force_puts, mem.sym) else LowLatencySpec(), device)
+        with cupy.cuda.Device(device):
+            self.sync = cupy.zeros(SYNC_BYTES // 4 + num_experts, dtype=cupy.int32)  # + expert_sent
+        self.host_status = MappedHostArray(64)  # see the module docstring
+        self.status_seen = np.zeros(1 + STATUS_BIT_COUNT, dtype=np.int32)
+        self.next_set = 0
+        self.pending: list[str | None] = [None, None]  # per set: which call's hook has not run yet
+        self.combine_buffers: list[Any] = [None, None]  # get_next_low_latency_combine_buffer, per set
+        props = cupy.cuda.runtime.getDeviceProperties(device)
+        self.num_sms = min(int(props["multiProcessorCount"]), num_sms or MAX_BLOCKS)
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+        self.host_status.close()
+
+    # ---------------------------------------------------------------------------------------------------- plans
+
+    def _common_args(self, kernel: str) -> jit.KernelArgs:
+        return self.module.spec.args(
+            kernel, peers=self.mem.table_ptr, hidden=self.hidden, num_experts=self.num_experts,
+            max_tokens=self.num_max_tokens, force_puts=self.force_puts, sync=int(self.sync.data.ptr),
+            host_status=self.host_status.device_ptr)
+
+    def dispatch_plan(self, framework: str, num_tokens: int, num_topk: int, use_fp8: bool, round_scale: bool,
+                      use_ue8m0: bool) -> DispatchPlan:
+        """What a dispatch of this shape needs (its arguments already checked by the Buffer)."""
+        local, rows, hidden = self.num_experts // self.num_ranks, self.num_ranks * self.num_max_tokens, self.hidden
+        flags = (FLAG_FP8 if use_fp8 else 0) | (FLAG_ROUND_SCALE if round_scale else 0) | \
+            (FLAG_UE8M0 if use_ue8m0 else 0)
+        dtype = self.outputs.dtype(framework, "float8_e4m3fn" if use_fp8 else "bfloat16")
+        scales = None
+        if use_fp8:
+            scales = ((local, rows, hidden // 128), self.outputs.dtype(framework, "uint8" if use_ue8m0 else "float32"))
+        args = self._common_args("ll_dispatch").set(num_tokens=num_tokens, num_topk=num_topk, flags=flags)
+        offsets = meta_offsets(local, rows, self.num_ranks)
+        return DispatchPlan(framework, num_tokens, num_topk, ((local, rows, hidden), dtype), scales,
+                            ((offsets[-1],), self.outputs.dtype(framework, "int32")), offsets,
+                            dispatch_shared_bytes(hidden, num_tokens, num_topk, self.num_experts), args)
+
+    def combine_plan(self, framework: str, num_tokens: int, num_topk: int) -> CombinePlan:
+        args = self._common_args("ll_combine").set(num_tokens=num_tokens, num_topk=num_topk)
+        return CombinePlan(framework, num_tokens, ((num_tokens, self.hidden),
+                                                   self.outputs.dtype(framework, "bfloat16")), args)
+
+    # ---------------------------------------------------------------------------------------------------- calls
+
+    def dispatch(self, plan: DispatchPlan, buffer_id: int, x: Any, x_arg: Any, idx: Any, idx_arg: Any, stats: Any,
+                 stats_arg: Any, hook: bool, async_finish: bool) -> LowLatencyDispatchResult:
+        """Send each (token, chosen expert) to its slot; with ``hook`` only the send half runs now."""
+        s = self.take_set("dispatch")
+        self.profile.start()
+        caller = caller_stream(plan.framework, self.device)
+        streams, outputs = self.streams, self.outputs
+        streams.begin(caller)
+        fw = plan.framework
+        recv_x = outputs.empty(fw, *plan.x_spec)
+        recv_scales = outputs.empty(fw, *plan.scales_spec) if plan.scales_spec is not None else None
+        owner = outputs.empty(fw, *plan.meta_spec)
+        meta = _Meta(owner, fw, outputs.address(fw, owner), plan.meta_offsets,
+                     (plan.x_spec[0][0], plan.x_spec[0][1], self.num_ranks))
+        ptrs = meta.ptrs
+        args = plan.args.copy() if hook else plan.args
+        args.set(x=x_arg, topk_idx=idx_arg, set=s, recv_x=outputs.address(fw, recv_x),
+                 recv_scales=outputs.address(fw, recv_scales), recv_src_info=ptrs[0], recv_topk_slot=ptrs[1],
+                 layout_range=ptrs[2], recv_count=ptrs[3], cumulative_stats=stats_arg)
+        self._launch_dispatch(plan, args, PHASE_SEND if hook else PHASE_SEND | PHASE_RECV)
+        event = streams.finish(caller, async_finish)
+        if async_finish and fw == "torch":
+            streams.used_by_comm((recv_x, recv_scales, owner, x, idx, stats))
+        handle = LowLatencyHandle(self.num_max_tokens, self.hidden, self.num_experts, plan.num_topk, meta,
+                                  buffer_id, [hook])
+        run_hook = None
+        if hook:
+            def done() -> None:
+                handle.pending[0] = False
+
+            run_hook = self.hook(s, "dispatch", lambda: self._launch_dispatch(plan, args, PHASE_RECV), fw,
+                                 async_finish, (x, idx), done)
+        if fw not in ("torch", "cupy"):
+            from ..arrays import from_cupy
+
+            recv_x = from_cupy(recv_x, fw, dtype="float8_e4m3fn" if plan.scales_spec else None, name="recv_x")
+            recv_scales = from_cupy(recv_scales, fw) if recv_scales is not None else None
+        return LowLatencyDispatchResult(recv_x, recv_scales, handle, event, run_hook)
+
+    def _launch_dispatch(self, plan: DispatchPlan, args: jit.KernelArgs, phases: int) -> None:
+        args.set(phases=phases, timeline=self.profile.timeline("ll_dispatch" + _PHASE_SUFFIX[phases],
+                                                               self.num_sms, TIMELINE_POINTS))
+        self.module.launch(args, self.num_sms, LOW_LATENCY_THREADS, shared_mem=plan.shared_bytes,
+                           stream=self.streams.comm_ptr)
+
+    def combine(self, plan: CombinePlan, handle: LowLatencyHandle, y: Any, y_arg: Any, idx: Any, idx_arg: Any,
+                w: Any, w_arg: Any, out: Any, out_arg: Any, hook: bool, async_finish: bool) -> LowLatencyCombineResult:
+        """Send the expert outputs home and reduce them; with ``hook`` only the send half runs now."""
+        s = self.take_set("combine")
+        self.profile.start()
+        fw = plan.framework
+        caller = caller_stream(fw, self.device)
+        streams = self.streams
+        streams.begin(caller)
+        if out is None:
+            out = self.outputs.empty(fw, *plan.out_spec)
+            out_arg = self.outputs.address(fw, out)
+        meta = handle.meta
+        ptrs = meta.ptrs
+        args = plan.args.copy() if hook else plan.args
+        args.set(y=y_arg, src_info=ptrs[0], topk_slot=ptrs[1], layout_range=ptrs[2], topk_idx=idx_arg,
+                 topk_weights=w_arg, out=out_arg, set=s)
+        self._launch_combine(args, PHASE_SEND if hook else PHASE_SEND | PHASE_RECV)
+        event = streams.finish(caller, async_finish)
+        if async_finish and fw == "torch":
+            streams.used_by_comm((out, y, idx, w))
+        # The receive half reads topk_idx and topk_weights (by address): the hook holds them until it runs.
+        run_hook = self.hook(s, "combine", lambda: self._launch_combine(args, PHASE_RECV), fw, async_finish,
+                             (y, idx, w, meta)) if hook else None
+        if fw not in ("torch", "cupy"):
+            from ..arrays import from_cupy
+
+            out = from_cupy(out, fw, name="combined_x")
+        return LowLatencyCombineResult(out, event, run_hook)
+
+    def _launch_combine(self, args: jit.KernelArgs, phases: int) -> None:
+        args.set(phases=phases, timeline=self.profile.timeline("ll_combine" + _PHASE_SUFFIX[phases],
+                                                               self.num_sms, TIMELINE_POINTS))
+        self.module.launch(args, self.num_sms, LOW_LATENCY_THREADS, stream=self.streams.comm_ptr)
+
+    # ---------------------------------------------------------------------------------------------------- sets
+
+    def take_set(self, call: str) -> int:
+        """The buffer set this call takes; refuses one whose earlier call still waits for its hook."""
+        s = self.next_set
+        if self.pending[s] is not None:
+            raise ArgumentError(with_rank(
+                f"low_latency_{call} would reuse buffer set {s}, whose {self.pending[s]} has a receive hook that "
+                "has not run: call that hook first (two calls may be in flight at most)"))
+        self.next_set ^= 1
+        return s
+
+    def hook(self, s: int, call: str, launch: Callable[[], None], framework: str, async_finish: bool, keep: Any,
+             then: Callable[[], None] | None = None) -> Callable[[], None]:
+        """The receive half as a callable, run on the stream current when it is called (torch's for torch
+        callers): so a hook called inside a CUDA-graph capture is captured there. It holds ``keep`` until it
+        runs."""
+        self.pending[s] = f"low_latency_{call}"
+        held = [keep]  # emptied when the hook runs
+
+        def hook() -> None:
+            if not held:
+                raise ArgumentError(with_rank(f"this low_latency_{call} hook already ran"))
+            if self.closed:
+                raise EpjitError(with_rank("this Buffer is closed"))
+            caller = caller_stream(framework, self.device)
+            self.streams.begin(caller)
+            launch()
+            self.streams.finish(caller, async_finish)
+            held.clear()
+            self.pending[s] = None
+            if then is not None:
+                then()
+
+        return hook
+
+    def check_handle(self, handle: Any, buffer_id: int) -> LowLatencyHandle:
+        if not isinstance(handle, LowLatencyHandle) or handle.buffer_id != buffer_id:
+            raise ArgumentError(with_rank("handle must be the .handle of a low_latency_dispatch of this Buffer"))
+        if handle.pending[0]:
+            raise ArgumentError(with_rank("the dispatch of this handle has a receive hook that has not run: "
+                                          "call its hook() first"))
+        return handle
+
+    def next_combine_buffer(self, handle: LowLatencyHandle) -> Any:
+        """A [L, R*max, H] bf16 CuPy array for the next combine's expert outputs (two alternate with the sets)."""
+        s = self.next_set
+        if self.combine_buffers[s] is None:
+            import ml_dtypes
+
+            cupy = _cupy()
+            with cupy.cuda.Device(self.device):
+                shape = (self.num_experts // self.num_ranks, self.num_ranks * handle.num_max_dispatch_tokens_per_rank,
+                         handle.hidden)
+                self.combine_buffers[s] = cupy.empty(shape, dtype=ml_dtypes.bfloat16)
+        return self.combine_buffers[s]
+
+    def is_combine_buffer(self, address: int) -> bool:
+        return any(b is not None and b.data.ptr == address for b in self.combine_buffers)
+
+    # ---------------------------------------------------------------------------------------------------- status
+
+    def raise_status(self) -> None:
+        """Raise, once, what earlier kernels found (their last block counts it in host_status)."""
+        ints = self.host_status.ints
+        if ints[0] == self.status_seen[0]:
+            return
+        reports = ints[0]  # read first: the kernel releases it after the counts
+        counts = ints[1:1 + STATUS_BIT_COUNT].copy()
+        raised = counts != self.status_seen[1:]
+        self.status_seen[0], self.status_seen[1:] = reports, counts
+        status = sum(1 << b for b in range(STATUS_BIT_COUNT) if raised[b])
+        raise ArgumentError(with_rank("an earlier low-latency call was wrong, its results are not valid: "
+                                      + "; ".join(self.describe_status(status))))
+
+    def describe_status(self, status: int) -> list[str]:
+        problems = []
+        if status & STATUS_INVALID_IDS:
+            problems.append(f"topk_idx had entries outside [-1, num_experts={self.num_experts}) (skipped)")
+        if status & STATUS_SLOT_OVERFLOW:
+            problems.append("one rank's topk_idx named one expert in more than "
+                            f"num_max_dispatch_tokens_per_rank={self.num_max_tokens} slots "
+                            "(repeated experts; the extra rows were dropped)")
+        if status & STATUS_META_MISMATCH:
+            problems.append("a rank dispatched with another hidden size or use_fp8 setting than this one")
+        if status & STATUS_LAYOUT_TOO_BIG:
+            problems.append("the kernels' buffer layout does not fit the symmetric heap (an epjit bug: "
+                            "epjit/kernels/low_latency.py and cuda_src/low_latency.cuh disagree)")
+        return problems
+
+    def clean(self) -> None:
+        """Forget every call (epochs, signals, pending hooks, status). The caller synchronised every rank; no
+        low-latency work is in flight."""
+        cupy = _cupy()
+        with cupy.cuda.Device(self.device):
+            self.sync.fill(0)
+            heap = self.mem.sym
+            assert heap is not None
+            cupy.cuda.runtime.memset(heap.base, 0, low_latency_size_hint(
+                self.num_max_tokens, self.hidden, self.num_ranks, self.num_experts))
+            cupy.cuda.runtime.deviceSynchronize()
+        self.host_status.ints[:] = 0  # no kernel runs: the synchronisation above
+        self.status_seen[:] = 0
+        self.next_set = 0
+        self.pending = [None, None]
+
+
+__all__ = ["FLAG_FP8", "FLAG_ROUND_SCALE", "FLAG_UE8M0", "MAX_BLOCKS", "PHASE_RECV", "PHASE_SEND",
+           "STATUS_BIT_COUNT", "STATUS_INVALID_IDS", "STATUS_LAYOUT_TOO_BIG", "STATUS_META_MISMATCH",
+           "STATUS_SLOT_OVERFLOW", "LowLatency", "LowLatencyCombineResult", "LowLatencyDispatchResult",
+           "LowLatencyHandle", "needs_puts"]
