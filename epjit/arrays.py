@@ -94,7 +94,7 @@ _new_object = object.__new__
 def _info(framework: str, dtype: str, shape: tuple[int, ...], strides: tuple[int, ...], device: tuple[str, int],
           contiguous: bool) -> ArrayInfo:
     # The same object ArrayInfo(...) makes, built faster: a frozen dataclass's __init__ sets each field through
-    # object.__setattr__ (~2 us for six fields), and describe() runs for every array of every call.
+    # object.__setattr__, and describe() runs for every array a call validates.
     info = _new_object(ArrayInfo)
     fields = info.__dict__
     fields["framework"] = framework

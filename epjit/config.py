@@ -93,11 +93,9 @@ class Config:
 def get_dispatch_config(num_ranks: int, spec: IntranodeSpec | None = None) -> Config:
     """Defaults for dispatch, by rank count (and the kernel's warp roles: ``spec``, default
     ``intranode_spec(num_ranks)``): 24 channels (one SM each), and chunks of four tokens a warp of a sending group
-    between tail updates, at least 12. Each tail update is a system-scope release (~2.5 us with nothing outstanding)
-    that stalls the group, so a chunk must outweigh it: 2 x H200, 4096 tokens, two alternating rounds, 8 warps a
-    peer: 16-token chunks 158.8 / 158.4 us FP8 and 229.3 / 228.2 bf16; 24: 152.1 / 152.7 and 224.4 / 223.6; 32: 149.0
-    / 148.9 and 225.1 / 224.3; 48: 148.9 / 149.6 and 226.3 / 226.8. Now 2 ranks: 10 warps a peer, chunks of 40; 4
-    ranks: 4 warps a peer, 16 (not measured on 4 ranks; phased, 12 warps in one group: 48)."""
+    between tail updates, at least 12. Each tail update is a system-scope release that stalls the group even with
+    nothing outstanding, so a chunk must outweigh it (docs/history.md, "Rings and chunks"). 2 ranks: 10 warps a
+    peer, chunks of 40; 4 ranks: 4 warps a peer, 16 (phased, 12 warps in one group: 48)."""
     spec = spec or intranode_spec(num_ranks)
     return Config(24, max(12, 4 * spec.dispatch_group_send_warps), 256)
 
@@ -106,9 +104,8 @@ def get_combine_config(num_ranks: int, spec: IntranodeSpec | None = None) -> Con
     """Defaults for combine, by rank count (and the kernel's sending warps: ``spec``): the same channels as dispatch
     (combine replays its channels), and chunks of about 12 rows, rounded up to a whole number of rows a sending
     warp: a combine reader waits for the chunk holding its token's row, so large chunks leave the readers a chunk
-    behind the senders (2 x H200, 4096 tokens, alternating runs, 9 senders: 18-row chunks 274-277 us, 9-row 236-237,
-    12-row 233-234; 7 senders: 12 rows 219.3 / 219.7, 14 rows 216.8 / 216.9; dispatch's drains copy rows as they
-    come and take larger chunks). 2 ranks: 14 rows; 4 and 8 ranks: 12."""
+    behind the senders (dispatch's drains copy rows as they come and take larger chunks; docs/history.md, "Rings
+    and chunks"). 2 ranks: 14 rows; 4 and 8 ranks: 12."""
     senders = max(1, (spec or intranode_spec(num_ranks)).combine_send_warps)
     return Config(24, -(-12 // senders) * senders, 256)
 

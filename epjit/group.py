@@ -493,10 +493,10 @@ def _mpi_transport(comm: Any, environ: Mapping[str, str], timeout: float | None)
         if hint is not None and hint[1] > 1:
             raise SetupError(
                 f"{hint[0]}={hint[1]} says this process is one of {hint[1]} ranks, but mpi4py cannot be imported "
-                f"({e}): pip install mpi4py, or {_how_to_start(hint[1])}"
+                f"({e}): pip install 'epjit[mpi]', or {_how_to_start(hint[1])}"
             ) from None
         raise SetupError(
-            f"this looks like an MPI job but mpi4py cannot be imported ({e}): pip install mpi4py"
+            f"this looks like an MPI job but mpi4py cannot be imported ({e}): pip install 'epjit[mpi]'"
         ) from None
     if comm is None:
         if MPI.Is_finalized():
@@ -798,6 +798,22 @@ _current: Group | None = None
 _client: _channel.Client | None = None  # this process's connection to epjit.launch, kept across close()/init()
 
 
+def _configure_logging(level: str, rank: int) -> None:
+    """EPJIT_LOG: quiet by default (epjit's loggers pass warnings on to the application's handlers); ``debug``
+    prints every epjit log line to stderr, prefixed with the rank."""
+    import logging
+
+    logger = logging.getLogger("epjit")
+    if level != "debug":
+        return
+    logger.setLevel(logging.DEBUG)
+    if not any(getattr(h, "epjit_rank_handler", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"[rank {rank}] %(name)s: %(message)s"))
+        handler.epjit_rank_handler = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+
+
 def current() -> Group | None:
     """The group of the last :func:`init` that is not closed yet, or None."""
     return _current
@@ -841,6 +857,7 @@ def init(comm: Any = None, num_nvl_ranks: int | None = None, *, bind_device: boo
         else:
             transport, place = _SingleTransport(), _Placement(0, 1, 0, 1, None)
         set_rank(place.rank if place.size > 1 else None)
+        _configure_logging(env.settings().log, place.rank)
         try:
             group = _setup(transport, backend, place, num_nvl_ranks, bind_device, user_comm)
         except BaseException:

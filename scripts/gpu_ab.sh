@@ -10,6 +10,9 @@
 #                                                             e.g. EPJIT_LL_NUM_SMS=64, or -- --warp-roles
 #                                                             dispatch_phased=1)
 #   GPU machine: bash scripts/gpu_ab.sh run [rounds] [bench arguments...]
+#                bash scripts/gpu_ab.sh host [rounds] [host_path.py arguments...]  (scripts/host_path.py, one rank,
+#                                                             for every variant with a tree of its own, then the
+#                                                             working tree: host microseconds a call)
 # (.ab/ is ignored by git: copy it along when the GPU machine is another one). Each round runs every variant in
 # name order, then the working tree; JSON and logs under $OUT, then one table a variant.
 set -uo pipefail
@@ -64,6 +67,31 @@ case ${1:-} in
       python3 -m epjit.bench --summary "$OUT"/ab-$side-*.json
     done
     (cd "$OUT" && tar czf ab-logs.tgz --remove-files ab-*.log ab-*.json);;
+  host)
+    shift
+    rounds=${1:-2}; shift || true
+    OUT=${OUT:-/tmp/epjit-out}
+    mkdir -p "$OUT"
+    export EPJIT_CACHE_DIR=${EPJIT_CACHE_DIR:-/tmp/epjit-cache-$$}
+    sides=$(cd .ab && for d in */; do [ -d "$d/epjit" ] && echo "${d%/}"; done)
+    for round in $(seq "$rounds"); do
+      for side in $sides new; do
+        path=$PYTHONPATH
+        [ $side = new ] || path=$PWD/.ab/$side${PYTHONPATH:+:$PYTHONPATH}
+        PYTHONPATH=$path python3 scripts/host_path.py --json "$OUT/host-$side-$round.json" "$@" \
+          > "$OUT/host-$side-$round.log" 2>&1 || { echo "$side round $round failed"; tail -20 "$OUT/host-$side-$round.log"; }
+      done
+    done
+    for side in $sides new; do
+      echo "=== $side ($([ $side = new ] && echo 'working tree' || cat ".ab/$side/.rev")): host us a call, by round"
+      python3 - "$OUT"/host-$side-*.json <<'PY'
+import json, sys
+runs = [json.load(open(path)) for path in sys.argv[1:]]
+for name in runs[0]["host_us"]:
+    print(f"  {name:<32}" + "".join(f"{run['host_us'][name]:9.1f}" for run in runs))
+PY
+    done
+    (cd "$OUT" && tar czf host-logs.tgz --remove-files host-*.log host-*.json);;
   *) echo "usage: gpu_ab.sh prepare REV [NAME] | save NAME | variant NAME [VAR=VALUE...] [-- bench args...] |" \
           "run [rounds] [bench arguments...]"; exit 2;;
 esac

@@ -513,3 +513,46 @@ def test_cupy_stream_wraps_an_address_without_deprecation_warnings():
         stream = arrays.cupy_stream(0x7F00_1234, 0)
     assert stream.ptr == 0x7F00_1234
     assert arrays.cupy_stream(0, 0) is cupy.cuda.Stream.null  # torch's legacy default stream
+
+
+class _FakeTensor:
+    """What fingerprint reads of a torch tensor, without torch."""
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], contiguous: bool = True, device: int = 0) -> None:
+        self.dtype, self.shape, self._contiguous, self._device = dtype, shape, contiguous, device
+
+    def is_contiguous(self) -> bool:
+        return self._contiguous
+
+    def get_device(self) -> int:
+        return self._device
+
+    def data_ptr(self) -> int:
+        return 0x7F00_0000_0000
+
+
+def test_fingerprints_tell_apart_everything_a_check_judges(monkeypatch):
+    """A call's plan is reused only for arrays whose fingerprints equal those it was validated for: every property
+    check() judges (dtype, shape, contiguity, device) must change the fingerprint; anything that is not a plain
+    tensor or CuPy array has none (its every call is checked in full)."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(Tensor=_FakeTensor))
+    monkeypatch.setattr(arrays, "_TORCH_TENSOR", None)
+    fp = arrays.fingerprint
+    base = fp(_FakeTensor("bfloat16", (128, 7168)))
+    assert base is not None and base == fp(_FakeTensor("bfloat16", (128, 7168)))
+    for other in (_FakeTensor("float32", (128, 7168)), _FakeTensor("bfloat16", (127, 7168)),
+                  _FakeTensor("bfloat16", (128, 7168), contiguous=False),
+                  _FakeTensor("bfloat16", (128, 7168), device=1), _FakeTensor("bfloat16", (128, 7168), device=-1)):
+        assert fp(other) != base
+    assert fp(None) == () and fp(np.zeros(3)) is None and fp(object()) is None
+    pair = fp((_FakeTensor("float8_e4m3fn", (8, 128)), _FakeTensor("float32", (8, 1))))
+    assert pair is not None and pair != fp([_FakeTensor("float8_e4m3fn", (8, 128)), _FakeTensor("float32", (8, 1))])
+    assert fp((_FakeTensor("float8_e4m3fn", (8, 128)), np.zeros(3))) is None  # one part unknown: no fingerprint
+
+    class Sub(_FakeTensor):  # a subclass (torch.nn.Parameter, say) is checked in full
+        pass
+
+    assert fp(Sub("bfloat16", (128, 7168))) is None
+    assert arrays.address(_FakeTensor("bfloat16", (1, 8))) == 0x7F00_0000_0000 and arrays.address(None) == 0

@@ -163,3 +163,14 @@ def test_normal_grid_launches_spare_blocks_for_the_channel_claims():
     source = (CUDA_SRC / "placement.cuh").read_text()
     assert "ptx::smid() / 2" in source  # a TPC is SMs 2k and 2k + 1
     assert f"kMaxTpcs = {CLAIMS_INTS - 2};" in source  # the host allocates next, arrived, tpc_taken[kMaxTpcs]
+
+
+def test_buffer_sizes_must_be_integers_named():
+    """A size given as text or a float is refused naming the argument, before any collective or GPU work."""
+    from epjit import ArgumentTypeError, Buffer
+    from epjit.group import Group
+
+    group = object.__new__(Group)  # is a Group; never asked anything: the sizes are checked first
+    for name, value in (("num_nvl_bytes", "1GB"), ("num_rdma_bytes", 1.5), ("hidden", -1), ("num_experts", True)):
+        with pytest.raises(ArgumentTypeError, match=rf"Buffer\({name}=\.\.\.\) must be an int >= 0, got"):
+            Buffer(group, **{name: value})

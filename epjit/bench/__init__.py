@@ -72,7 +72,7 @@ def _start_together(group: Any) -> None:
     to the end event behind it (as inside a step, where the host runs ahead of the GPU); then a one-element NCCL
     all_reduce, the last thing before the start event: it ends at about the same moment on every GPU, so no
     rank's launch delay or barrier skew (tens of microseconds on 4 processes) is timed as part of whatever waits
-    for a peer first. Without the spin a one-kernel graph times 18-21 us on 4 x H200 instead of ~5."""
+    for a peer first. Without the spin a one-kernel graph timed several times its floor (docs/benchmark.md)."""
     import torch
     import torch.distributed as dist
 

@@ -118,9 +118,8 @@ class IntranodeSpec(KernelSpec):
 def default_dispatch_warps(num_ranks: int, num_warps: int) -> tuple[int, int]:
     """(sending, draining) warps a peer of a dispatch block: senders set the pace (a drain copies what has arrived),
     so they get what the own copy (at least one warp, then W / 2R) and one drain group a peer (W / (2R - 1) warps)
-    leave: 10 / 8 (own 6) on 2 ranks, 4 / 3 (own 3) on 4, 2 / 1 (own 3) on 8. On 2 x H200, equal groups had the own
-    copy done at ~65% of the senders' time; roles 9 / 9 / 6, 10 / 9 / 5 and 11 / 7 / 6 took 216.3, 224.1 and 217.5
-    us against 211.5 for these."""
+    leave: 10 / 8 (own 6) on 2 ranks, 4 / 3 (own 3) on 4, 2 / 1 (own 3) on 8. Equal groups left the own copy done
+    long before the senders; the other splits tried were slower (docs/history.md, "Warp roles and channels")."""
     peers = num_ranks - 1
     if peers == 0:
         return 0, 0
@@ -132,8 +131,8 @@ def default_dispatch_warps(num_ranks: int, num_warps: int) -> tuple[int, int]:
 def default_combine_send_warps(num_ranks: int, num_warps: int) -> int:
     """Sending warps a peer of a combine block: ~2(R-1) / (2(R-1) + R + 1) of the block (a reader reads R rows and
     writes one for every row a sender copies; copies count a read and a write), split among the peers; 2 ranks: 7
-    of 24 (measured: 6 / 7 / 8 / 9 / 11 senders took 221.6 / 219.5 / 221.4 / 225.4 / 247.3 us on 2 x H200; NVLink,
-    not their warps, limits the senders there). 4 and 8 ranks keep the formula until measured."""
+    of 24, the fastest measured (NVLink, not their warps, limits the senders there; docs/history.md, "Warp roles
+    and channels"). 4 and 8 ranks keep the formula until measured."""
     if num_ranks == 1:
         return 0
     if num_ranks == 2:

@@ -43,10 +43,8 @@ class LowLatencySpec(KernelSpec):
 @dataclass(frozen=True)
 class LowLatencyPutsSpec(LowLatencySpec):
     """cuda_src/low_latency_puts.cu: the same kernels linked with NVSHMEM's device library (-rdc), for a peer
-    without an NVLink pointer or forced puts. LowLatencySpec's build has no put path and no library: 2 x H200,
-    CUDA-graph replays, 3 alternating rounds, 1 / 128 tokens dispatch 22.0-22.4 / 27.7-28.5 -> 20.7-20.8 /
-    26.6-26.7 us and combine 20.1-20.3 / 39.7-40.5 -> 17.9-18.6 / 39.0-39.1 (a launch doing nothing 8.1-8.3 ->
-    6.9-7.1; spills 184 / 144 -> 88 / 96 bytes)."""
+    without an NVLink pointer or forced puts. LowLatencySpec's build has no put path and no library, and every
+    launch of it is cheaper, with a smaller stack (docs/history.md, "The NVSHMEM-free build")."""
 
     SOURCE = "low_latency_puts.cu"
     USES_NVSHMEM = True

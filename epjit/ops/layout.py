@@ -34,7 +34,7 @@ def _up(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class MadeLayout:
     """The allocation get_dispatch_layout wrote, and where each part of it is."""
 
@@ -124,7 +124,7 @@ class LayoutPlan:
     kind: str  # allocation kind (streams.Outputs)
     num_tokens: int
     num_experts: int
-    total_bytes: int
+    offsets: tuple[int, int, int, int, int]  # MadeLayout.offsets
     counts_bytes: int  # of counts and invalid_ids to zero first (0: the kernel's single block stores them whole)
     grid: int
     shared_bytes: int
@@ -146,7 +146,7 @@ class Layout:
                                      num_nvl_ranks=self.num_ranks, num_tokens_per_rdma_rank=0)
         nodes = self.num_ranks // self.num_nvl_ranks
         grid = max(1, (num_tokens + _BLOCK - 1) // _BLOCK)  # no tokens: one block still stores the zero counts
-        return LayoutPlan(framework, kind, num_tokens, num_experts, offsets[-1], offsets[3] if grid > 1 else 0,
+        return LayoutPlan(framework, kind, num_tokens, num_experts, offsets, offsets[3] if grid > 1 else 0,
                           grid, 4 * (num_experts + self.num_ranks + nodes + 1), args)
 
     def run(self, plan: LayoutPlan, idx: Any, idx_arg: Any, previous_event: Event | None,
@@ -155,9 +155,9 @@ class Layout:
         streams, outputs = self.streams, self.outputs
         streams.begin(caller, previous_event)
         kind = plan.kind
-        owner = outputs.empty(kind, (plan.total_bytes,), outputs.dtype(kind, "uint8"))
+        offsets = plan.offsets
+        owner = outputs.empty(kind, (offsets[4],), outputs.dtype(kind, "uint8"))
         base = outputs.address(kind, owner)
-        offsets = MadeLayout.offsets(plan.num_tokens, self.num_ranks, plan.num_experts)
         made = MadeLayout(owner, kind, plan.framework, plan.num_tokens, self.num_ranks, plan.num_experts, base,
                           base + offsets[1], base + offsets[2], base + offsets[3])
         if plan.counts_bytes:

@@ -44,7 +44,7 @@ FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4  # kFlagFp8, kFlagRoundScale, k
 STATUS_INVALID_IDS, STATUS_SLOT_OVERFLOW, STATUS_META_MISMATCH, STATUS_LAYOUT_TOO_BIG = 1, 2, 4, 8
 STATUS_BIT_COUNT = 4  # kStatusBitCount: host_status holds [0] reports, [1 + b] calls that raised bit b
 # Blocks of a low-latency kernel, one an SM: both receive halves are bound by what an SM loads, so they want many;
-# beyond 128 nothing was gained (docs/history.md, "Low latency: blocks").
+# beyond 128 nothing was gained (docs/history.md, "Low-latency fences, acks, flags and blocks").
 MAX_BLOCKS = 128
 
 _PHASE_SUFFIX = {PHASE_SEND: ".send", PHASE_RECV: ".recv", PHASE_SEND | PHASE_RECV: ""}
@@ -115,7 +115,7 @@ class _Meta:
         return from_cupy(arr, self.framework, name=name)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class LowLatencyHandle:
     """What low-latency combine needs to send a dispatch's rows home. ``src_info`` [L, R*max] int32 (source token
     index of each received row) and ``layout_range`` [L, R] int64 (begin << 32 | count of each source's block) are
@@ -162,7 +162,7 @@ class LowLatencyDispatchResult:
         return self.handle.layout_range
 
 
-@dataclass
+@dataclass(slots=True)
 class LowLatencyCombineResult:
     x: Any  # [N, H] bf16
     event: Event

@@ -160,8 +160,9 @@ class Outputs:
 
     def __init__(self, streams: Streams, device: int, poison: bool) -> None:
         self.streams, self.device, self.poison = streams, device, poison
-        self._torch_empty: Any = None
-        self._torch_device: Any = None
+        # torch: an empty tensor of each dtype on the device; its new_empty allocates like torch.empty, with fewer
+        # arguments for torch to parse (a call's outputs are a good part of its host time)
+        self._protos: dict[Any, Any] = {}
         self._dtypes: dict[tuple[str, str], Any] = {}
 
     def dtype(self, kind: str, name: str) -> Any:
@@ -180,10 +181,11 @@ class Outputs:
 
     def empty(self, kind: str, shape: tuple[int, ...], dtype: Any) -> Any:
         if kind == "torch":
-            if self._torch_empty is None:
+            proto = self._protos.get(dtype)
+            if proto is None:
                 torch = sys.modules["torch"]
-                self._torch_empty, self._torch_device = torch.empty, torch.device("cuda", self.device)
-            out = self._torch_empty(shape, dtype=dtype, device=self._torch_device)
+                proto = self._protos[dtype] = torch.empty(0, dtype=dtype, device=torch.device("cuda", self.device))
+            out = proto.new_empty(shape)
             if self.poison and out.numel():
                 _cupy().cuda.runtime.memsetAsync(out.data_ptr(), POISON_BYTE, out.numel() * out.element_size(),
                                                  self.streams.comm_ptr)
