@@ -267,7 +267,8 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx: Any, num_experts: int, previous_event: Event | None = None,
                             async_finish: bool = False) -> DispatchLayout:
         """Counts per rank and per expert, and is_token_in_rank, for topk_idx [N, K] int64 (-1 = no expert)."""
-        self._normal()
+        if self._closed or self._intranode is None:
+            self._normal()  # raises what is wrong
         key = ("layout", fingerprint(topk_idx), num_experts, previous_event is None)
         plan = self._plans.get(key)
         if plan is None or type(num_experts) is not int:
@@ -468,7 +469,9 @@ class Buffer:
                 config: Config | None = None, previous_event: Event | None = None,
                 async_finish: bool = False) -> CombineResult:
         """For each original token, the sum of the rows the ranks send back for it (+ bias): dispatch's adjoint."""
-        normal = self._normal()
+        normal = self._intranode if not self._closed else None
+        if normal is None:
+            normal = self._normal()  # raises what is wrong
         normal.check_pending(self._caller_capturing)
         if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
             raise ArgumentError(with_rank("handle must be the .handle of a dispatch of this Buffer"))
@@ -480,6 +483,8 @@ class Buffer:
         if plan is None:
             plan, y_arg, w_arg, bias_args = self._combine_plan(key, y, handle, topk_weights, biases, config,
                                                                previous_event)
+        elif plan.kind == "torch" and not biases:
+            y_arg, w_arg, bias_args = y.data_ptr(), address(topk_weights), (0, 0)
         else:
             y_arg, w_arg = address(y), address(topk_weights)
             bias_args = (address(biases[0]) if biases else 0, address(biases[1]) if len(biases) > 1 else 0)
@@ -509,7 +514,8 @@ class Buffer:
         config = self._resolve_config(config, self._combine_config, handle.num_channels, "the dispatch")
         self._check_nvl_need(config, handle.hidden, handle.num_topk, 0, False, "combine")
         kind = "torch" if y_info.framework == "torch" and previous_event is None else "cupy"
-        plan = self._intranode_plan().combine_plan(y_info.framework, kind, self._spec_of(config), config, handle)
+        plan = self._intranode_plan().combine_plan(y_info.framework, kind, self._spec_of(config), config, handle,
+                                                    topk_weights is not None)
         return (self._remember(key, plan), arrays.kernel_arg(y, y_info, "y"), w_arg,
                 (bias_args[0], bias_args[1]))
 
@@ -526,14 +532,21 @@ class Buffer:
         low_latency_combine. With return_recv_hook the send half runs now and ``result.hook()`` runs the receive
         half; the arrays are valid after it.
         """
-        ll = self._low_latency()
+        ll = self._ll if not self._closed else None
+        if ll is None:
+            ll = self._low_latency()  # raises what is wrong
+        ll.raise_status()
         stats = cumulative_local_expert_recv_stats
         key = ("ll_dispatch", fingerprint(x), fingerprint(topk_idx), fingerprint(stats),
-               num_max_dispatch_tokens_per_rank, num_experts, bool(use_fp8), bool(round_scale), bool(use_ue8m0))
+               num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0)
         plan = self._plans.get(key)
         if plan is None:
             plan, x_arg, idx_arg, stats_arg = self._low_latency_dispatch_plan(
-                key, ll, x, topk_idx, stats, num_max_dispatch_tokens_per_rank, num_experts, *key[-3:])
+                key, ll, x, topk_idx, stats, num_max_dispatch_tokens_per_rank, num_experts, bool(use_fp8),
+                bool(round_scale), bool(use_ue8m0))
+        elif plan.torch:
+            x_arg, idx_arg = x.data_ptr(), topk_idx.data_ptr()
+            stats_arg = stats.data_ptr() if stats is not None else 0
         else:
             x_arg, idx_arg, stats_arg = address(x), address(topk_idx), address(stats)
         return ll.dispatch(plan, id(self), x, x_arg, topk_idx, idx_arg, stats, stats_arg, bool(return_recv_hook),
@@ -591,7 +604,10 @@ class Buffer:
         y is [L, R*max, H] bf16 in the layout the dispatch delivered; topk_idx/topk_weights are what this rank
         dispatched with. ``out`` receives the result if given.
         """
-        ll = self._low_latency()
+        ll = self._ll if not self._closed else None
+        if ll is None:
+            ll = self._low_latency()  # raises what is wrong
+        ll.raise_status()
         ll.check_handle(handle, id(self))
         key = ("ll_combine", fingerprint(y), fingerprint(topk_idx), fingerprint(topk_weights), fingerprint(out),
                handle.num_topk, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
@@ -599,6 +615,9 @@ class Buffer:
         if plan is None:
             plan, y_arg, idx_arg, w_arg, out_arg = self._low_latency_combine_plan(key, ll, y, topk_idx,
                                                                                   topk_weights, out, handle)
+        elif plan.torch:
+            y_arg, idx_arg, w_arg = y.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr()
+            out_arg = out.data_ptr() if out is not None else 0
         else:
             y_arg, idx_arg, w_arg, out_arg = address(y), address(topk_idx), address(topk_weights), address(out)
         if zero_copy and not ll.is_combine_buffer(y_arg if isinstance(y_arg, int) else y_arg.data.ptr):

@@ -34,16 +34,23 @@ def _median_us(call: Callable[[], Any], calls: int) -> float:
     return bench._host_us(call, calls)  # the GPU drained before each call, the call's wall time
 
 
-def _after_counts_us(buf: Any, call: Callable[[], Any], calls: int) -> float:
-    """Median host microseconds from a normal dispatch seeing its counts to returning (profile marks)."""
+def _after_counts_us(buf: Any, call: Callable[[], Any], calls: int, detail: dict[str, float],
+                     name: str) -> float:
+    """Median host microseconds from a normal dispatch seeing its counts to returning (profile marks); the marks
+    between them, where the Buffer sets any, go to ``detail`` (median microseconds from the previous mark)."""
     for _ in range(50):
         call()
-    times = []
+    times, steps = [], {}
     for _ in range(calls):
         torch.cuda.synchronize()
         call()
         marks = buf.profile()
         times.append(marks["host:returned"] - marks["host:host_synced"])
+        names = [k for k in marks if k.startswith("host:")]
+        after = names[names.index("host:host_synced"):]
+        for before, mark in zip(after, after[1:], strict=False):
+            steps.setdefault(f"{name}: {before[5:]} -> {mark[5:]}", []).append(marks[mark] - marks[before])
+    detail.update({k: statistics.median(v) for k, v in steps.items()})
     return statistics.median(times)
 
 
@@ -79,6 +86,7 @@ def main() -> None:
     x = torch.randn(n, hidden, device="cuda").to(torch.bfloat16)
     hint = epjit.Buffer.get_normal_size_hint(group.size, hidden, topk, experts)
     rows: dict[str, float] = {}
+    detail: dict[str, float] = {}
     with epjit.Buffer(group, num_nvl_bytes=hint) as buf:
         layout = buf.get_dispatch_layout(idx, experts)
         d = buf.dispatch(x, topk_idx=idx, topk_weights=w, layout=layout)
@@ -95,9 +103,10 @@ def main() -> None:
             marked_layout = marked.get_dispatch_layout(idx, experts)
             md = marked.dispatch(x, topk_idx=idx, topk_weights=w, layout=marked_layout)
             rows["dispatch after counts"] = _after_counts_us(
-                marked, lambda: marked.dispatch(x, topk_idx=idx, topk_weights=w, layout=marked_layout), args.calls)
+                marked, lambda: marked.dispatch(x, topk_idx=idx, topk_weights=w, layout=marked_layout), args.calls,
+                detail, "dispatch")
             rows["dispatch(handle) after counts"] = _after_counts_us(
-                marked, lambda: marked.dispatch(x, handle=md.handle), args.calls)
+                marked, lambda: marked.dispatch(x, handle=md.handle), args.calls, detail, "dispatch(handle)")
         os.environ.pop("EPJIT_PROFILE")
         if args.profile:
             _cprofile("dispatch (whole call, counts included)",
@@ -121,10 +130,12 @@ def main() -> None:
               f"{torch.cuda.get_device_name()}:")
         for name, us in rows.items():
             print(f"  {name:<32} {us:8.1f}")
+        for name, us in detail.items():
+            print(f"    {name:<46} {us:8.1f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"tokens": n, "hidden": hidden, "device": torch.cuda.get_device_name(),
-                           "host_us": rows}, f, indent=1)
+                           "host_us": rows, "detail_us": detail}, f, indent=1)
 
 
 if __name__ == "__main__":

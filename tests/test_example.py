@@ -1,5 +1,5 @@
-"""CPU tier of the main job and of the mpirun wrapper: the MoE layer example runs on the reference backend and
-agrees with a single-device layer; launch/mpirun.sh starts ranks that find each other."""
+"""The main job and the mpirun wrapper: the MoE layer example runs on the reference backend (CPU tier) and on the
+GPUs (GPU tier) and agrees with a single-device layer; launch/mpirun.sh starts ranks that find each other."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from .gpu import placement, run_ranks
 from .ranks.procs import PYTHON, clean_env, mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,3 +38,16 @@ def test_mpirun_wrapper_starts_ranks_that_find_each_other():
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("COLLECTIVES OK") == 2, out.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, shared", [pytest.param(2, False, id="2"), pytest.param(2, True, id="2-shared")])
+def test_moe_layer_example_on_gpus(n, shared):
+    """The README's main job on GPUs: prefill through normal mode and a decode step through low latency, each within
+    bf16 rounding of the single-device layer (no poisoned outputs: the path users run)."""
+    env = placement(n, shared)
+    pytest.importorskip("torch")
+    code, output, _ = run_ranks("launch", n, "examples/moe_layer.py", env={"EPJIT_TIMEOUT_S": "60", **env},
+                                timeout=300)
+    assert code == 0, output[-4000:]
+    assert output.count("-> OK") == 2 and "MISMATCH" not in output, output[-4000:]

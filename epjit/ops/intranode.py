@@ -237,47 +237,56 @@ class Ints(NamedTuple):
 
 @dataclass(eq=False, slots=True)
 class DispatchHandle:
-    """Everything combine (and a cached dispatch) needs to replay a routing. Arrays are CuPy, on this GPU."""
+    """Everything combine (and a cached dispatch) needs to replay a routing: the dispatch's int arrays (CuPy, on this
+    GPU, one allocation; their views are made when read), is_token_in_rank, the rows, and the dispatch's plan (its
+    sizes)."""
 
-    rank_prefix_ints: Ints = field(repr=False)  # [R, R]: [i, j] = tokens ranks 0..i send to rank j
-    channel_prefix_ints: Ints = field(repr=False)  # [R, C]: tokens of my channels 0..c bound for rank r
-    recv_channel_offset_ints: Ints = field(repr=False)  # [R, C]: first received row of (source rank, channel)
-    recv_src_ints: Ints = field(repr=False)  # [rows or more]: source token index of each received row
+    # rank_prefix_matrix [R, R] ([i, j] = tokens ranks 0..i send to rank j), channel_prefix_matrix [R, C] (tokens of
+    # my channels 0..c bound for rank r), recv_channel_offset [R, C] (first received row of (source rank, channel)),
+    # send_head [N, R] (ring index token t took towards r, or -(next index)-1), recv_src_idx [rows or more] (source
+    # token index of each received row), and the status word [1]: what notify found (0: nothing); the dispatch and
+    # every combine of this handle do nothing unless 0, so a handle from a refused worst-token dispatch, used before
+    # the refusal is raised, cannot send garbage receipts.
+    ints: tuple[Ints, ...] = field(repr=False)
     in_rank_ptr: int = field(repr=False)  # is_token_in_rank [N, R] bool that the dispatch read
     in_rank_owner: Any = field(repr=False)  # what keeps it alive: the layout's allocation or the caller's array
-    send_head_ints: Ints = field(repr=False)  # [N, R]: ring index token t took towards r (or -(next index)-1)
-    # [1]: what notify found (0: nothing): the dispatch and every combine of this handle do nothing unless 0, so a
-    # handle from a refused worst-token dispatch, used before the refusal is raised, cannot send garbage receipts.
-    status_ints: Ints = field(repr=False)
-    num_tokens: int
     num_recv_tokens: int  # -1 when unknown to the host (worst-token mode)
     num_rows: int  # rows of the dispatched arrays
-    num_channels: int
-    hidden: int
-    num_topk: int
-    num_experts: int
+    plan: DispatchPlan = field(repr=False)
     buffer_id: int = field(default=0, repr=False)
+
+    num_tokens = property(lambda self: self.plan.num_tokens)
+    hidden = property(lambda self: self.plan.hidden)
+    num_topk = property(lambda self: self.plan.num_topk)
+    num_channels = property(lambda self: self.plan.num_channels)
+    num_experts = property(lambda self: self.plan.num_experts)
+    rank_prefix_ints = property(lambda self: self.ints[0])
+    channel_prefix_ints = property(lambda self: self.ints[1])
+    recv_channel_offset_ints = property(lambda self: self.ints[2])
+    send_head_ints = property(lambda self: self.ints[3])
+    recv_src_ints = property(lambda self: self.ints[4])
+    status_ints = property(lambda self: self.ints[5])
 
     # CuPy views, made when read (a dispatch's host time is what a small batch waits for).
     @property
     def rank_prefix_matrix(self) -> Any:
-        return self.rank_prefix_ints.view()
+        return self.ints[0].view()
 
     @property
     def channel_prefix_matrix(self) -> Any:
-        return self.channel_prefix_ints.view()
+        return self.ints[1].view()
 
     @property
     def recv_channel_offset(self) -> Any:
-        return self.recv_channel_offset_ints.view()
-
-    @property
-    def recv_src_idx(self) -> Any:
-        return self.recv_src_ints.view(self.num_rows)
+        return self.ints[2].view()
 
     @property
     def send_head(self) -> Any:
-        return self.send_head_ints.view()
+        return self.ints[3].view()
+
+    @property
+    def recv_src_idx(self) -> Any:
+        return self.ints[4].view(self.num_rows)
 
     @property
     def is_token_in_rank(self) -> Any:
@@ -345,7 +354,8 @@ class DispatchPlan:
     num_worst_tokens: int
     num_channels: int
     flags: int
-    out_dtypes: tuple[Any, Any, Any, Any]  # recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights
+    # allocators of recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights by rows (None: not an output)
+    new_outputs: tuple[Callable[[int], Any] | None, ...]
     notify_args: jit.KernelArgs
     dispatch_args: jit.KernelArgs
     module: jit.Module
@@ -353,14 +363,15 @@ class DispatchPlan:
 
 @dataclass(eq=False)
 class CombinePlan:
-    """One shape of combine, validated."""
+    """One shape of combine, validated: its outputs' allocators, grid and constant arguments."""
 
     framework: str
     kind: str
-    out_dtypes: tuple[Any, Any]
+    new_out: Callable[[], Any]
+    new_out_weights: Callable[[], Any] | None  # None: the call combines no weights
+    grid: int
     args: jit.KernelArgs
     module: jit.Module
-    num_channels: int
 
 
 class Intranode:
@@ -424,21 +435,27 @@ class Intranode:
             x_row_int4=hidden * (1 if fp8 else 2) // 16, num_scales=num_scales, num_topk=num_topk,
             num_experts=num_experts, num_channels=channels, num_slots=config.nvl_chunk_recv,
             num_max_send_tokens=config.nvl_chunk_send, num_worst_tokens=num_worst_tokens)
-        dtype = self.outputs.dtype
-        dtypes = (dtype(kind, "float8_e4m3fn" if fp8 else "bfloat16"), dtype(kind, "float32"),
-                  dtype(kind, "int64"), dtype(kind, "float32"))
+        out = self.outputs
+        new_outputs = (out.row_allocator(kind, hidden, out.dtype(kind, "float8_e4m3fn" if fp8 else "bfloat16")),
+                       out.row_allocator(kind, num_scales, out.dtype(kind, "float32")) if fp8 else None,
+                       out.row_allocator(kind, num_topk, out.dtype(kind, "int64")) if with_idx else None,
+                       out.row_allocator(kind, num_topk, out.dtype(kind, "float32")) if with_weights else None)
         return DispatchPlan(framework, kind, num_tokens, hidden, num_topk, num_scales, num_experts, fp8, with_idx,
-                            with_weights, num_worst_tokens, channels, flags, dtypes, notify, dispatch, module)
+                            with_weights, num_worst_tokens, channels, flags, new_outputs, notify, dispatch, module)
 
-    def combine_plan(self, framework: str, kind: str, spec: IntranodeSpec, config: Config,
-                     handle: DispatchHandle) -> CombinePlan:
+    def combine_plan(self, framework: str, kind: str, spec: IntranodeSpec, config: Config, handle: DispatchHandle,
+                     with_weights: bool) -> CombinePlan:
         module = self.module(spec)
         args = module.spec.args(
             "intranode_combine", peers=self.mem.table_ptr, claims=self.claims[1], num_tokens=handle.num_tokens,
             hidden=handle.hidden, num_topk=handle.num_topk, num_channels=handle.num_channels,
-            num_slots=config.nvl_chunk_recv, num_max_send_tokens=config.nvl_chunk_send)
-        dtypes = (self.outputs.dtype(kind, "bfloat16"), self.outputs.dtype(kind, "float32"))
-        return CombinePlan(framework, kind, dtypes, args, module, handle.num_channels)
+            num_slots=config.nvl_chunk_recv, num_max_send_tokens=config.nvl_chunk_send, timeline=0)
+        out = self.outputs
+        new_out = out.allocator(kind, (handle.num_tokens, handle.hidden), out.dtype(kind, "bfloat16"))
+        new_weights = out.allocator(kind, (handle.num_tokens, handle.num_topk), out.dtype(kind, "float32")) \
+            if with_weights else None
+        return CombinePlan(framework, kind, new_out, new_weights, normal_grid(handle.num_channels,
+                                                                              self.num_device_sms), args, module)
 
     # ---------------------------------------------------------------------------------------------------- dispatch
 
@@ -463,14 +480,6 @@ class Intranode:
         base = int(owner.data.ptr)
         parts = tuple(Ints(owner, o, shape, base + 4 * o) for o, shape in zip(offsets, shapes, strict=True))
         return parts if handle is None else (handle.rank_prefix_ints, handle.channel_prefix_ints, *parts)
-
-    def _outputs(self, plan: DispatchPlan, rows: int) -> tuple[Any, Any, Any, Any]:
-        """recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights (None where not asked for)."""
-        empty, kind, dtypes = self.outputs.empty, plan.kind, plan.out_dtypes
-        return (empty(kind, (rows, plan.hidden), dtypes[0]),
-                empty(kind, (rows, plan.num_scales), dtypes[1]) if plan.fp8 else None,
-                empty(kind, (rows, plan.num_topk), dtypes[2]) if plan.with_idx else None,
-                empty(kind, (rows, plan.num_topk), dtypes[3]) if plan.with_weights else None)
 
     def dispatch(self, plan: DispatchPlan, inputs: DispatchInputs, layout: LayoutInputs | None,
                  handle: DispatchHandle | None, buffer_id: int, previous_event: Event | None,
@@ -509,7 +518,7 @@ class Intranode:
                      topk_weights=inputs.weights_arg, is_token_in_rank=in_rank)
         for attempt in range(2):
             ints = self._ints(plan.num_channels, plan.num_tokens, capacity, handle)
-            outs = self._outputs(plan, capacity)
+            outs = tuple(new(capacity) if new is not None else None for new in plan.new_outputs)
             profile.mark("allocated", streams.comm)
             host_ints[0], host_ints[1] = -1, 0
             self._launch_dispatch(plan, grid, capacity, ints, outs)
@@ -539,9 +548,7 @@ class Intranode:
             break
         if plan.num_worst_tokens > 0 and call >= 0:  # its record is read once this event is done
             self.records.add_pending(call, streams.mark(), host, plan.num_worst_tokens)
-        new_handle = DispatchHandle(ints[0], ints[1], ints[2], ints[4], in_rank, in_rank_owner, ints[3], ints[5],
-                                    plan.num_tokens, num_recv, num_rows, plan.num_channels, plan.hidden,
-                                    plan.num_topk, plan.num_experts, buffer_id=buffer_id)
+        new_handle = DispatchHandle(ints, in_rank, in_rank_owner, num_recv, num_rows, plan, buffer_id)
         if plan.kind == "torch":
             if async_finish:
                 x = inputs.x if isinstance(inputs.x, (tuple, list)) else (inputs.x,)
@@ -622,32 +629,36 @@ class Intranode:
                 biases: tuple[Any, ...], bias_args: tuple[Any, Any], previous_event: Event | None,
                 async_finish: bool) -> CombineResult:
         """For each original token, the sum of the rows the ranks send back for it (+ bias): dispatch's adjoint."""
-        profile, streams, outputs = self.profile, self.streams, self.outputs
-        profile.start()
+        profile, streams, torch_kind = self.profile, self.streams, plan.kind == "torch"
         caller = caller_stream(plan.framework, self.device)
         streams.begin(caller, previous_event)
-        profile.mark("validated", streams.comm)
-        kind = plan.kind
-        out = outputs.empty(kind, (handle.num_tokens, handle.hidden), plan.out_dtypes[0])
-        out_w = outputs.empty(kind, (handle.num_tokens, handle.num_topk), plan.out_dtypes[1]) \
-            if weights is not None else None
-        grid = normal_grid(handle.num_channels, self.num_device_sms)
+        out = plan.new_out()
+        out_w = plan.new_out_weights() if plan.new_out_weights is not None else None
+        if torch_kind:
+            out_ptr, out_w_ptr = out.data_ptr(), out_w.data_ptr() if out_w is not None else 0
+        else:
+            out_ptr, out_w_ptr = out.data.ptr, out_w.data.ptr if out_w is not None else 0
         args = plan.args.set(
             y=y_arg, y_topk_weights=weights_arg, bias0=bias_args[0], bias1=bias_args[1],
             rank_prefix_matrix=handle.rank_prefix_ints.ptr, recv_channel_offset=handle.recv_channel_offset_ints.ptr,
-            send_head=handle.send_head_ints.ptr, dispatch_status=handle.status_ints.ptr,
-            out_x=outputs.address(kind, out), out_topk_weights=outputs.address(kind, out_w),
-            timeline=profile.timeline("combine", grid, TIMELINE_POINTS))
-        plan.module.launch(args, grid, NUM_THREADS, stream=streams.comm_ptr)
-        profile.mark("combine", streams.comm)
+            send_head=handle.send_head_ints.ptr, dispatch_status=handle.status_ints.ptr, out_x=out_ptr,
+            out_topk_weights=out_w_ptr)
+        if profile.enabled:
+            profile.start()
+            profile.mark("validated", streams.comm)
+            args.set(timeline=profile.timeline("combine", plan.grid, TIMELINE_POINTS))
+        plan.module.launch(args, plan.grid, NUM_THREADS, stream=streams.comm_ptr)
+        if profile.enabled:
+            profile.mark("combine", streams.comm)
         event = streams.finish(caller, async_finish)
-        if kind == "torch":
+        if torch_kind:
             if async_finish:
                 streams.used_by_comm((out, out_w, y, weights, *biases))
         elif plan.framework != "cupy":
             out, out_w = _hand_over((out, out_w), plan.framework, caller, False)
         result = CombineResult(out, out_w, event)
-        profile.mark("returned")
+        if profile.enabled:
+            profile.mark("returned")
         return result
 
 

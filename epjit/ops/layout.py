@@ -16,6 +16,7 @@ captured in a CUDA graph).
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,11 +85,12 @@ class DispatchLayout:
     __slots__ = ("_arrays", "event", "made")
 
     def __init__(self, num_tokens_per_rank: Any = None, num_tokens_per_rdma_rank: Any = None,
-                 num_tokens_per_expert: Any = None, is_token_in_rank: Any = None, event: Event | None = None) -> None:
+                 num_tokens_per_expert: Any = None, is_token_in_rank: Any = None, event: Event | None = None,
+                 made: MadeLayout | None = None) -> None:
         self._arrays: list[Any] = [num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert,
                                    is_token_in_rank]
         self.event = event
-        self.made: MadeLayout | None = None
+        self.made = made  # what get_dispatch_layout wrote (None: a layout built by hand)
 
     def _get(self, i: int, part: int) -> Any:
         if self._arrays[i] is None and self.made is not None:
@@ -122,6 +124,7 @@ class LayoutPlan:
 
     framework: str  # the caller's
     kind: str  # allocation kind (streams.Outputs)
+    new_owner: Callable[[], Any]  # allocates the layout's one allocation
     num_tokens: int
     num_experts: int
     offsets: tuple[int, int, int, int, int]  # MadeLayout.offsets
@@ -146,32 +149,38 @@ class Layout:
                                      num_nvl_ranks=self.num_ranks, num_tokens_per_rdma_rank=0)
         nodes = self.num_ranks // self.num_nvl_ranks
         grid = max(1, (num_tokens + _BLOCK - 1) // _BLOCK)  # no tokens: one block still stores the zero counts
-        return LayoutPlan(framework, kind, num_tokens, num_experts, offsets, offsets[3] if grid > 1 else 0,
-                          grid, 4 * (num_experts + self.num_ranks + nodes + 1), args)
+        new_owner = self.outputs.allocator(kind, (offsets[4],), self.outputs.dtype(kind, "uint8"))
+        return LayoutPlan(framework, kind, new_owner, num_tokens, num_experts, offsets,
+                          offsets[3] if grid > 1 else 0, grid, 4 * (num_experts + self.num_ranks + nodes + 1), args)
 
     def run(self, plan: LayoutPlan, idx: Any, idx_arg: Any, previous_event: Event | None,
             async_finish: bool) -> DispatchLayout:
         caller = caller_stream(plan.framework, self.device)
-        streams, outputs = self.streams, self.outputs
-        streams.begin(caller, previous_event)
-        kind = plan.kind
-        offsets = plan.offsets
-        owner = outputs.empty(kind, (offsets[4],), outputs.dtype(kind, "uint8"))
-        base = outputs.address(kind, owner)
+        streams, kind, offsets = self.streams, plan.kind, plan.offsets
+        # The layout kernel reads topk_idx and writes only this call's outputs, and touches no peer memory: where the
+        # caller waits for it anyway (no previous_event, no async_finish) and torch allocated the outputs on the
+        # caller's stream, it runs there, in order with the caller's work, and no event needs recording. CuPy's
+        # outputs belong to the communication stream's pool, and poisoned outputs are filled on that stream: the
+        # kernel then runs there too.
+        on_caller = kind == "torch" and previous_event is None and not async_finish and not self.outputs.poison
+        if not on_caller:
+            streams.begin(caller, previous_event)
+        stream = caller if on_caller else streams.comm_ptr
+        owner = plan.new_owner()
+        base = owner.data_ptr() if kind == "torch" else owner.data.ptr
         made = MadeLayout(owner, kind, plan.framework, plan.num_tokens, self.num_ranks, plan.num_experts, base,
                           base + offsets[1], base + offsets[2], base + offsets[3])
         if plan.counts_bytes:
-            _memset_async()(base, 0, plan.counts_bytes, streams.comm_ptr)
-        args = plan.args.set(topk_idx=idx_arg, num_tokens_per_rank=made.per_rank_ptr,
-                             num_tokens_per_expert=made.per_expert_ptr, is_token_in_rank=made.in_rank_ptr,
-                             invalid_ids=made.invalid_ptr)
-        self.module.launch(args, plan.grid, _BLOCK, shared_mem=plan.shared_bytes, stream=streams.comm_ptr)
+            _memset_async()(base, 0, plan.counts_bytes, stream)
+        args = plan.args.set(topk_idx=idx_arg, num_tokens_per_rank=base, num_tokens_per_expert=made.per_expert_ptr,
+                             is_token_in_rank=made.in_rank_ptr, invalid_ids=made.invalid_ptr)
+        self.module.launch(args, plan.grid, _BLOCK, shared_mem=plan.shared_bytes, stream=stream)
+        if on_caller:
+            return DispatchLayout(event=Event(None, caller), made=made)
         event = streams.finish(caller, async_finish)
         if async_finish and kind == "torch":
             streams.used_by_comm((idx, owner))
-        layout = DispatchLayout(event=event)
-        layout.made = made
-        return layout
+        return DispatchLayout(event=event, made=made)
 
 
 _MEMSET: Any = None

@@ -171,15 +171,18 @@ class LowLatencyCombineResult:
 
 @dataclass(eq=False)
 class DispatchPlan:
-    """One shape of low_latency_dispatch, validated: outputs to allocate and the launch's constant arguments."""
+    """One shape of low_latency_dispatch, validated: its outputs' allocators and the launch's constant arguments."""
 
     framework: str
+    torch: bool  # outputs from torch's allocator (addresses by data_ptr)
     num_tokens: int
     num_topk: int
-    x_spec: tuple[tuple[int, ...], Any]  # (shape, dtype object of the framework)
-    scales_spec: tuple[tuple[int, ...], Any] | None
-    meta_spec: tuple[tuple[int, ...], Any]
+    fp8: bool
+    new_x: Callable[[], Any]
+    new_scales: Callable[[], Any] | None
+    new_meta: Callable[[], Any]
     meta_offsets: tuple[int, ...]
+    meta_shape: tuple[int, int, int]  # local experts, rows, ranks
     shared_bytes: int
     args: jit.KernelArgs  # every argument that is the same call after call
 
@@ -189,8 +192,9 @@ class CombinePlan:
     """One shape of low_latency_combine, validated."""
 
     framework: str
+    torch: bool
     num_tokens: int
-    out_spec: tuple[tuple[int, ...], Any]
+    new_out: Callable[[], Any]
     args: jit.KernelArgs
 
 
@@ -227,7 +231,7 @@ class LowLatency:
         return self.module.spec.args(
             kernel, peers=self.mem.table_ptr, hidden=self.hidden, num_experts=self.num_experts,
             max_tokens=self.num_max_tokens, force_puts=self.force_puts, sync=int(self.sync.data.ptr),
-            host_status=self.host_status.device_ptr)
+            host_status=self.host_status.device_ptr, timeline=0)
 
     def dispatch_plan(self, framework: str, num_tokens: int, num_topk: int, use_fp8: bool, round_scale: bool,
                       use_ue8m0: bool) -> DispatchPlan:
@@ -235,20 +239,25 @@ class LowLatency:
         local, rows, hidden = self.num_experts // self.num_ranks, self.num_ranks * self.num_max_tokens, self.hidden
         flags = (FLAG_FP8 if use_fp8 else 0) | (FLAG_ROUND_SCALE if round_scale else 0) | \
             (FLAG_UE8M0 if use_ue8m0 else 0)
-        dtype = self.outputs.dtype(framework, "float8_e4m3fn" if use_fp8 else "bfloat16")
-        scales = None
+        out = self.outputs
+        new_x = out.allocator(framework, (local, rows, hidden),
+                              out.dtype(framework, "float8_e4m3fn" if use_fp8 else "bfloat16"))
+        new_scales = None
         if use_fp8:
-            scales = ((local, rows, hidden // 128), self.outputs.dtype(framework, "uint8" if use_ue8m0 else "float32"))
-        args = self._common_args("ll_dispatch").set(num_tokens=num_tokens, num_topk=num_topk, flags=flags)
+            new_scales = out.allocator(framework, (local, rows, hidden // 128),
+                                       out.dtype(framework, "uint8" if use_ue8m0 else "float32"))
         offsets = meta_offsets(local, rows, self.num_ranks)
-        return DispatchPlan(framework, num_tokens, num_topk, ((local, rows, hidden), dtype), scales,
-                            ((offsets[-1],), self.outputs.dtype(framework, "int32")), offsets,
+        new_meta = out.allocator(framework, (offsets[-1],), out.dtype(framework, "int32"))
+        args = self._common_args("ll_dispatch").set(num_tokens=num_tokens, num_topk=num_topk, flags=flags)
+        return DispatchPlan(framework, framework == "torch", num_tokens, num_topk, use_fp8, new_x, new_scales,
+                            new_meta, offsets, (local, rows, self.num_ranks),
                             dispatch_shared_bytes(hidden, num_tokens, num_topk, self.num_experts), args)
 
     def combine_plan(self, framework: str, num_tokens: int, num_topk: int) -> CombinePlan:
         args = self._common_args("ll_combine").set(num_tokens=num_tokens, num_topk=num_topk)
-        return CombinePlan(framework, num_tokens, ((num_tokens, self.hidden),
-                                                   self.outputs.dtype(framework, "bfloat16")), args)
+        new_out = self.outputs.allocator(framework, (num_tokens, self.hidden), self.outputs.dtype(framework,
+                                                                                                  "bfloat16"))
+        return CombinePlan(framework, framework == "torch", num_tokens, new_out, args)
 
     # ---------------------------------------------------------------------------------------------------- calls
 
@@ -256,24 +265,28 @@ class LowLatency:
                  stats_arg: Any, hook: bool, async_finish: bool) -> LowLatencyDispatchResult:
         """Send each (token, chosen expert) to its slot; with ``hook`` only the send half runs now."""
         s = self.take_set("dispatch")
-        self.profile.start()
-        caller = caller_stream(plan.framework, self.device)
-        streams, outputs = self.streams, self.outputs
+        if self.profile.enabled:
+            self.profile.start()
+        fw, streams = plan.framework, self.streams
+        caller = caller_stream(fw, self.device)
         streams.begin(caller)
-        fw = plan.framework
-        recv_x = outputs.empty(fw, *plan.x_spec)
-        recv_scales = outputs.empty(fw, *plan.scales_spec) if plan.scales_spec is not None else None
-        owner = outputs.empty(fw, *plan.meta_spec)
-        meta = _Meta(owner, fw, outputs.address(fw, owner), plan.meta_offsets,
-                     (plan.x_spec[0][0], plan.x_spec[0][1], self.num_ranks))
+        recv_x, owner = plan.new_x(), plan.new_meta()
+        recv_scales = plan.new_scales() if plan.new_scales is not None else None
+        if plan.torch:
+            x_ptr, meta_ptr = recv_x.data_ptr(), owner.data_ptr()
+            scales_ptr = recv_scales.data_ptr() if recv_scales is not None else 0
+        else:
+            x_ptr, meta_ptr = recv_x.data.ptr, owner.data.ptr
+            scales_ptr = recv_scales.data.ptr if recv_scales is not None else 0
+        meta = _Meta(owner, fw, meta_ptr, plan.meta_offsets, plan.meta_shape)
         ptrs = meta.ptrs
         args = plan.args.copy() if hook else plan.args
-        args.set(x=x_arg, topk_idx=idx_arg, set=s, recv_x=outputs.address(fw, recv_x),
-                 recv_scales=outputs.address(fw, recv_scales), recv_src_info=ptrs[0], recv_topk_slot=ptrs[1],
+        args.set(x=x_arg, topk_idx=idx_arg, set=s, phases=PHASE_SEND if hook else PHASE_SEND | PHASE_RECV,
+                 recv_x=x_ptr, recv_scales=scales_ptr, recv_src_info=ptrs[0], recv_topk_slot=ptrs[1],
                  layout_range=ptrs[2], recv_count=ptrs[3], cumulative_stats=stats_arg)
-        self._launch_dispatch(plan, args, PHASE_SEND if hook else PHASE_SEND | PHASE_RECV)
+        self._launch_dispatch(plan, args)
         event = streams.finish(caller, async_finish)
-        if async_finish and fw == "torch":
+        if async_finish and plan.torch:
             streams.used_by_comm((recv_x, recv_scales, owner, x, idx, stats))
         handle = LowLatencyHandle(self.num_max_tokens, self.hidden, self.num_experts, plan.num_topk, meta,
                                   buffer_id, [hook])
@@ -282,18 +295,19 @@ class LowLatency:
             def done() -> None:
                 handle.pending[0] = False
 
-            run_hook = self.hook(s, "dispatch", lambda: self._launch_dispatch(plan, args, PHASE_RECV), fw,
-                                 async_finish, (x, idx), done)
+            run_hook = self.hook(s, "dispatch", lambda: self._launch_dispatch(plan, args.set(phases=PHASE_RECV)),
+                                 fw, async_finish, (x, idx), done)
         if fw not in ("torch", "cupy"):
             from ..arrays import from_cupy
 
-            recv_x = from_cupy(recv_x, fw, dtype="float8_e4m3fn" if plan.scales_spec else None, name="recv_x")
+            recv_x = from_cupy(recv_x, fw, dtype="float8_e4m3fn" if plan.fp8 else None, name="recv_x")
             recv_scales = from_cupy(recv_scales, fw) if recv_scales is not None else None
         return LowLatencyDispatchResult(recv_x, recv_scales, handle, event, run_hook)
 
-    def _launch_dispatch(self, plan: DispatchPlan, args: jit.KernelArgs, phases: int) -> None:
-        args.set(phases=phases, timeline=self.profile.timeline("ll_dispatch" + _PHASE_SUFFIX[phases],
-                                                               self.num_sms, TIMELINE_POINTS))
+    def _launch_dispatch(self, plan: DispatchPlan, args: jit.KernelArgs) -> None:
+        if self.profile.enabled:
+            args.set(timeline=self.profile.timeline("ll_dispatch" + _PHASE_SUFFIX[args["phases"]], self.num_sms,
+                                                    TIMELINE_POINTS))
         self.module.launch(args, self.num_sms, LOW_LATENCY_THREADS, shared_mem=plan.shared_bytes,
                            stream=self.streams.comm_ptr)
 
@@ -301,35 +315,35 @@ class LowLatency:
                 w: Any, w_arg: Any, out: Any, out_arg: Any, hook: bool, async_finish: bool) -> LowLatencyCombineResult:
         """Send the expert outputs home and reduce them; with ``hook`` only the send half runs now."""
         s = self.take_set("combine")
-        self.profile.start()
-        fw = plan.framework
+        if self.profile.enabled:
+            self.profile.start()
+        fw, streams = plan.framework, self.streams
         caller = caller_stream(fw, self.device)
-        streams = self.streams
         streams.begin(caller)
         if out is None:
-            out = self.outputs.empty(fw, *plan.out_spec)
-            out_arg = self.outputs.address(fw, out)
-        meta = handle.meta
-        ptrs = meta.ptrs
+            out = plan.new_out()
+            out_arg = out.data_ptr() if plan.torch else out.data.ptr
+        ptrs = handle.meta.ptrs
         args = plan.args.copy() if hook else plan.args
         args.set(y=y_arg, src_info=ptrs[0], topk_slot=ptrs[1], layout_range=ptrs[2], topk_idx=idx_arg,
-                 topk_weights=w_arg, out=out_arg, set=s)
-        self._launch_combine(args, PHASE_SEND if hook else PHASE_SEND | PHASE_RECV)
+                 topk_weights=w_arg, out=out_arg, set=s, phases=PHASE_SEND if hook else PHASE_SEND | PHASE_RECV)
+        self._launch_combine(args)
         event = streams.finish(caller, async_finish)
-        if async_finish and fw == "torch":
+        if async_finish and plan.torch:
             streams.used_by_comm((out, y, idx, w))
         # The receive half reads topk_idx and topk_weights (by address): the hook holds them until it runs.
-        run_hook = self.hook(s, "combine", lambda: self._launch_combine(args, PHASE_RECV), fw, async_finish,
-                             (y, idx, w, meta)) if hook else None
+        run_hook = self.hook(s, "combine", lambda: self._launch_combine(args.set(phases=PHASE_RECV)), fw,
+                             async_finish, (y, idx, w, handle.meta)) if hook else None
         if fw not in ("torch", "cupy"):
             from ..arrays import from_cupy
 
             out = from_cupy(out, fw, name="combined_x")
         return LowLatencyCombineResult(out, event, run_hook)
 
-    def _launch_combine(self, args: jit.KernelArgs, phases: int) -> None:
-        args.set(phases=phases, timeline=self.profile.timeline("ll_combine" + _PHASE_SUFFIX[phases],
-                                                               self.num_sms, TIMELINE_POINTS))
+    def _launch_combine(self, args: jit.KernelArgs) -> None:
+        if self.profile.enabled:
+            args.set(timeline=self.profile.timeline("ll_combine" + _PHASE_SUFFIX[args["phases"]], self.num_sms,
+                                                    TIMELINE_POINTS))
         self.module.launch(args, self.num_sms, LOW_LATENCY_THREADS, stream=self.streams.comm_ptr)
 
     # ---------------------------------------------------------------------------------------------------- sets
@@ -369,7 +383,7 @@ class LowLatency:
         return hook
 
     def check_handle(self, handle: Any, buffer_id: int) -> LowLatencyHandle:
-        if not isinstance(handle, LowLatencyHandle) or handle.buffer_id != buffer_id:
+        if type(handle) is not LowLatencyHandle or handle.buffer_id != buffer_id:
             raise ArgumentError(with_rank("handle must be the .handle of a low_latency_dispatch of this Buffer"))
         if handle.pending[0]:
             raise ArgumentError(with_rank("the dispatch of this handle has a receive hook that has not run: "

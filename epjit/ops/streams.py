@@ -12,7 +12,9 @@ CuPy stream object or context costs microseconds where an address costs nothing.
 
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import ArgumentTypeError, with_rank
@@ -179,13 +181,30 @@ class Outputs:
             self._dtypes[key] = found
         return found
 
+    def allocator(self, kind: str, shape: tuple[int, ...], dtype: Any) -> Callable[[], Any]:
+        """A callable that allocates one output of this shape: what a plan keeps, so a call allocates with one call
+        (torch's prototype's new_empty itself, unless outputs are poisoned)."""
+        if kind == "torch" and not self.poison:
+            return functools.partial(self._proto(dtype).new_empty, shape)
+        return functools.partial(self.empty, kind, shape, dtype)
+
+    def row_allocator(self, kind: str, cols: int, dtype: Any) -> Callable[[int], Any]:
+        """A callable that allocates an output of ``rows`` x ``cols`` (rows known only at the call)."""
+        if kind == "torch" and not self.poison:
+            new_empty = self._proto(dtype).new_empty
+            return lambda rows: new_empty((rows, cols))
+        return lambda rows: self.empty(kind, (rows, cols), dtype)
+
+    def _proto(self, dtype: Any) -> Any:
+        proto = self._protos.get(dtype)
+        if proto is None:
+            torch = sys.modules["torch"]
+            proto = self._protos[dtype] = torch.empty(0, dtype=dtype, device=torch.device("cuda", self.device))
+        return proto
+
     def empty(self, kind: str, shape: tuple[int, ...], dtype: Any) -> Any:
         if kind == "torch":
-            proto = self._protos.get(dtype)
-            if proto is None:
-                torch = sys.modules["torch"]
-                proto = self._protos[dtype] = torch.empty(0, dtype=dtype, device=torch.device("cuda", self.device))
-            out = proto.new_empty(shape)
+            out = self._proto(dtype).new_empty(shape)
             if self.poison and out.numel():
                 _cupy().cuda.runtime.memsetAsync(out.data_ptr(), POISON_BYTE, out.numel() * out.element_size(),
                                                  self.streams.comm_ptr)

@@ -260,6 +260,17 @@ def main() -> int:
                 raise Mismatch(f"case {i} {case}: {e}") from None
             result["cases"] += 1
 
+        # What users run: outputs not poisoned, so torch allocates every output itself and the layout kernel runs on
+        # the caller's stream (with poisoning it runs where the poison is written).
+        os.environ["EPJIT_POISON_OUTPUTS"] = "0"  # read when a Buffer is made
+        try:
+            with epjit.Buffer(group, num_nvl_bytes=epjit.Buffer.get_normal_size_hint(R, 7168, 8, 256)) as plain:
+                for i, case in enumerate(cases[:2] + cases[-2:]):
+                    run_case(plain, rank, R, seed=2000 + i, **case)
+                    result["cases"] += 1
+        finally:
+            os.environ["EPJIT_POISON_OUTPUTS"] = "1"
+
         # Arguments that differ across ranks: refused on every rank, and the Buffer still works afterwards.
         hidden = 2048 if rank == 0 else 4096
         x = torch.randn(64, hidden, device="cuda").to(torch.bfloat16)
