@@ -30,6 +30,7 @@ from typing import Any, Literal, Union, get_args
 import numpy as np
 
 from .errors import ArgumentError, ArgumentTypeError, with_rank
+from .jit.module import cupy_stream  # CuPy's stream object for a stream address (the launcher needs it too)
 
 __all__ = [
     "DTYPES",
@@ -493,33 +494,6 @@ def _import_cupy() -> Any:
     return cupy
 
 
-class _StreamAddress:
-    """A stream's address under the CUDA stream protocol, which is what CuPy 14 takes a foreign stream through."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.ptr)
-
-
-def cupy_stream(ptr: int, device: int) -> Any:
-    """CuPy's stream object for a stream another library made (torch's), at address ``ptr`` on ``device``.
-
-    Address 0 is the legacy default stream, which is CuPy's null stream. CuPy 14 deprecates ``ExternalStream``
-    (a DeprecationWarning on every new stream, an error under ``-W error``) for ``Stream.from_external``, whose
-    objects CuPy never destroys (it skips the destroy for them); CuPy 13 has only ``ExternalStream``.
-    """
-    cupy = _import_cupy()
-    if ptr == 0:
-        return cupy.cuda.Stream.null
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is None:
-        return cupy.cuda.ExternalStream(ptr, device)
-    # The stream's device is the current one (CuPy records it as unknown, -1, or reads the current device).
-    return from_external(_StreamAddress(ptr))
 
 
 # FP8 and JAX. CuPy has no float8 dtype and refuses DLPack type code 10 (kDLFloat8_e4m3fn); JAX has no views, so

@@ -13,6 +13,7 @@ raises the same error on every call, and a good one costs the host well under a 
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -342,15 +343,16 @@ class Buffer:
                num_worst_tokens, expert_alignment, () if config is None else config, previous_event is None)
         plan = self._plans.get(key)
         if plan is None or type(num_worst_tokens) is not int or type(expert_alignment) is not int:
-            plan, inputs, layout = self._dispatch_plan(key, x, topk_idx, topk_weights, handle, layout, auto_experts,
-                                                       num_worst_tokens, expert_alignment, config, previous_event)
+            plan, inputs, layout_inputs = self._dispatch_plan(key, x, topk_idx, topk_weights, handle, layout,
+                                                              auto_experts, num_worst_tokens, expert_alignment,
+                                                              config, previous_event)
         else:
             fp8 = plan.fp8
             inputs = DispatchInputs(x, address(x[0]) if fp8 else address(x), address(x[1]) if fp8 else 0, topk_idx,
                                     address(topk_idx), topk_weights, address(topk_weights))
             if auto_experts:
                 layout = self.get_dispatch_layout(topk_idx, auto_experts)
-        layout_inputs = None if handle is not None else self._layout_inputs(layout, plan.num_tokens)[0]
+            layout_inputs = None if handle is not None else self._layout_inputs(layout, plan.num_tokens)[0]
         return normal.dispatch(plan, inputs, layout_inputs, handle, id(self), previous_event, bool(async_finish))
 
     def _dispatch_x(self, x: Any) -> tuple[arrays.ArrayInfo, Any, Any, bool]:
@@ -400,8 +402,7 @@ class Buffer:
                                           f"{num_channels} SMs"))
         config = config or base
         if num_channels is not None and num_channels != config.num_channels:
-            config = Config(num_channels, config.nvl_chunk_send, config.nvl_chunk_recv, config.rdma_chunk_send,
-                            config.rdma_chunk_recv, **config.roles())
+            config = dataclasses.replace(config, num_sms=num_channels)
         return config
 
     def _spec_of(self, config: Config) -> Any:
@@ -423,9 +424,10 @@ class Buffer:
     def _dispatch_plan(self, key: tuple[Any, ...], x: Any, topk_idx: Any, topk_weights: Any,
                        handle: DispatchHandle | None, layout: Any, auto_experts: int, num_worst_tokens: Any,
                        expert_alignment: Any, config: Config | None,
-                       previous_event: Event | None) -> tuple[Any, DispatchInputs, Any]:
-        """Validate a dispatch whose shape has no plan yet; its plan, this call's inputs, and its layout (computed
-        here, once everything else is checked, when the call gave topk_idx and no layout)."""
+                       previous_event: Event | None) -> tuple[Any, DispatchInputs, LayoutInputs | None]:
+        """Validate a dispatch whose shape has no plan yet (a layout built by hand has none: it is checked here every
+        call); its plan, this call's inputs, and its layout's (None with a handle; computed here, once everything
+        else is checked, when the call gave topk_idx and no layout)."""
         x_info, x_arg, scales_arg, fp8 = self._dispatch_x(x)
         num_tokens, hidden = x_info.shape
         if hidden % 8 or hidden <= 0:
@@ -448,7 +450,7 @@ class Buffer:
             if auto_experts:
                 self._check_nvl_need(config, hidden, num_topk, self._check_num_experts(auto_experts), fp8, "dispatch")
                 layout = self.get_dispatch_layout(topk_idx, auto_experts)
-            num_experts = self._layout_inputs(layout, num_tokens)[1]
+            layout_inputs, num_experts = self._layout_inputs(layout, num_tokens)
         self._check_nvl_need(config, hidden, num_topk, num_experts, fp8, "dispatch")
         kind = "torch" if x_info.framework == "torch" and previous_event is None else "cupy"
         plan = self._intranode_plan().dispatch_plan(
@@ -457,7 +459,7 @@ class Buffer:
             handle is not None)
         inputs = DispatchInputs(x, x_arg, scales_arg, topk_idx, 0 if idx_arg is None else idx_arg, topk_weights,
                                 0 if w_arg is None else w_arg)
-        return self._remember(key, plan), inputs, layout
+        return self._remember(key, plan), inputs, None if handle is not None else layout_inputs
 
     def _intranode_plan(self) -> Intranode:
         assert self._intranode is not None

@@ -82,7 +82,7 @@ class Config:
 
     def spec(self, num_ranks: int) -> IntranodeSpec:
         """The dispatch/combine kernel of these warp roles on this many ranks (ValueError if they cannot be)."""
-        return intranode_spec(num_ranks, NUM_THREADS, **self.roles()) if self.roles() else intranode_spec(num_ranks)
+        return intranode_spec(num_ranks, NUM_THREADS, **self.roles())
 
     def nvl_bytes(self, num_ranks: int, hidden: int, num_topk: int, num_experts: int, fp8: bool) -> int:
         """Bytes of NVLink buffer payload a normal-mode call with these sizes needs."""

@@ -16,7 +16,15 @@
 # (.ab/ is ignored by git: copy it along when the GPU machine is another one). Each round runs every variant in
 # name order, then the working tree; JSON and logs under $OUT, then one table a variant.
 set -uo pipefail
-case ${1:-} in
+mode=${1:-}
+if [ "$mode" = run ] || [ "$mode" = host ]; then  # both take [rounds] then arguments for what they run
+  shift
+  rounds=${1:-2}; shift || true
+  OUT=${OUT:-/tmp/epjit-out}
+  mkdir -p "$OUT"
+  export EPJIT_CACHE_DIR=${EPJIT_CACHE_DIR:-/tmp/epjit-cache-$$}
+fi
+case $mode in
   prepare)
     rev=${2:?usage: gpu_ab.sh prepare REV [NAME]}
     name=${3:-base}
@@ -37,15 +45,11 @@ case ${1:-} in
     : > ".ab/$name/.env"
     while [ $# -gt 0 ] && [ "$1" != -- ]; do printf '%s\n' "$1" >> ".ab/$name/.env"; shift; done
     [ $# -eq 0 ] || shift
-    printf '%s\n' "$@" > ".ab/$name/.args"
+    : > ".ab/$name/.args"
+    [ $# -eq 0 ] || printf '%s\n' "$@" > ".ab/$name/.args"  # none: an empty file (not one empty argument)
     echo "working tree with $(tr '\n' ' ' < ".ab/$name/.env")$*" > ".ab/$name/.rev"
     echo "A/B variant $name: $(cat ".ab/$name/.rev")";;
   run)
-    shift
-    rounds=${1:-2}; shift || true
-    OUT=${OUT:-/tmp/epjit-out}
-    mkdir -p "$OUT"
-    export EPJIT_CACHE_DIR=${EPJIT_CACHE_DIR:-/tmp/epjit-cache-$$}
     n=${EPJIT_BENCH_RANKS:-$(nvidia-smi -L | wc -l)}
     sides=$(cd .ab && ls -d */ | tr -d /)
     for round in $(seq "$rounds"); do
@@ -68,15 +72,10 @@ case ${1:-} in
     done
     (cd "$OUT" && tar czf ab-logs.tgz --remove-files ab-*.log ab-*.json);;
   host)
-    shift
-    rounds=${1:-2}; shift || true
-    OUT=${OUT:-/tmp/epjit-out}
-    mkdir -p "$OUT"
-    export EPJIT_CACHE_DIR=${EPJIT_CACHE_DIR:-/tmp/epjit-cache-$$}
     sides=$(cd .ab && for d in */; do [ -d "$d/epjit" ] && echo "${d%/}"; done)
     for round in $(seq "$rounds"); do
       for side in $sides new; do
-        path=$PYTHONPATH
+        path=${PYTHONPATH:-}
         [ $side = new ] || path=$PWD/.ab/$side${PYTHONPATH:+:$PYTHONPATH}
         PYTHONPATH=$path python3 scripts/host_path.py --json "$OUT/host-$side-$round.json" "$@" \
           > "$OUT/host-$side-$round.log" 2>&1 || { echo "$side round $round failed"; tail -20 "$OUT/host-$side-$round.log"; }

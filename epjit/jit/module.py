@@ -66,6 +66,36 @@ def _programmatic_config() -> Any:
     return config
 
 
+class _StreamAddress:
+    """A stream's address under the CUDA stream protocol, which is what CuPy 14 takes a foreign stream through."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def cupy_stream(ptr: int, device: int) -> Any:
+    """CuPy's stream object for a stream another library made (torch's), at address ``ptr`` on ``device``.
+
+    Address 0 is the legacy default stream, which is CuPy's null stream. CuPy 14 deprecates ``ExternalStream``
+    (a DeprecationWarning on every new stream, an error under ``-W error``) for ``Stream.from_external``, whose
+    objects CuPy never destroys (it skips the destroy for them); CuPy 13 has only ``ExternalStream``.
+    """
+    import cupy
+
+    if ptr == 0:
+        return cupy.cuda.Stream.null
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:
+        return cupy.cuda.ExternalStream(ptr, device)
+    # The stream's device is the current one (CuPy records it as unknown, -1, or reads the current device).
+    return from_external(_StreamAddress(ptr))
+
+
 _loaded: dict[tuple[Path, int], Module] = {}
 
 
@@ -169,9 +199,7 @@ class Module:
                         pass  # one up, and raises the error again if it is real (a failed launch queued nothing)
         packed = self.spec.pack(args.kernel, args.values)
         if type(stream) is int:
-            import cupy
-
-            stream = cupy.cuda.ExternalStream(stream)
+            stream = cupy_stream(stream, self.device)
         k.fn((gx, gy, gz), (bx, by, bz), packed, shared_mem=shared_mem, stream=stream)
 
     @staticmethod

@@ -264,12 +264,8 @@ class LowLatency:
     def dispatch(self, plan: DispatchPlan, buffer_id: int, x: Any, x_arg: Any, idx: Any, idx_arg: Any, stats: Any,
                  stats_arg: Any, hook: bool, async_finish: bool) -> LowLatencyDispatchResult:
         """Send each (token, chosen expert) to its slot; with ``hook`` only the send half runs now."""
-        s = self.take_set("dispatch")
-        if self.profile.enabled:
-            self.profile.start()
+        s, caller = self._start("dispatch", plan.framework)
         fw, streams = plan.framework, self.streams
-        caller = caller_stream(fw, self.device)
-        streams.begin(caller)
         recv_x, owner = plan.new_x(), plan.new_meta()
         recv_scales = plan.new_scales() if plan.new_scales is not None else None
         if plan.torch:
@@ -304,6 +300,15 @@ class LowLatency:
             recv_scales = from_cupy(recv_scales, fw) if recv_scales is not None else None
         return LowLatencyDispatchResult(recv_x, recv_scales, handle, event, run_hook)
 
+    def _start(self, call: str, framework: str) -> tuple[int, int]:
+        """A call's buffer set and its caller's stream, the communication stream ordered after the caller's work."""
+        s = self.take_set(call)
+        if self.profile.enabled:
+            self.profile.start()
+        caller = caller_stream(framework, self.device)
+        self.streams.begin(caller)
+        return s, caller
+
     def _launch_dispatch(self, plan: DispatchPlan, args: jit.KernelArgs) -> None:
         if self.profile.enabled:
             args.set(timeline=self.profile.timeline("ll_dispatch" + _PHASE_SUFFIX[args["phases"]], self.num_sms,
@@ -314,12 +319,8 @@ class LowLatency:
     def combine(self, plan: CombinePlan, handle: LowLatencyHandle, y: Any, y_arg: Any, idx: Any, idx_arg: Any,
                 w: Any, w_arg: Any, out: Any, out_arg: Any, hook: bool, async_finish: bool) -> LowLatencyCombineResult:
         """Send the expert outputs home and reduce them; with ``hook`` only the send half runs now."""
-        s = self.take_set("combine")
-        if self.profile.enabled:
-            self.profile.start()
+        s, caller = self._start("combine", plan.framework)
         fw, streams = plan.framework, self.streams
-        caller = caller_stream(fw, self.device)
-        streams.begin(caller)
         if out is None:
             out = plan.new_out()
             out_arg = out.data_ptr() if plan.torch else out.data.ptr
