@@ -261,3 +261,24 @@ def test_pooled_records_share_one_allocation_and_close_with_it():
     assert whole.bytes[4096:4100].view(np.int32)[0] == 7 and parts[0].ints[0] == parts[2].ints[0] == 0
     parts[1].close()  # a part frees nothing (the Buffer closes the whole last)
     assert parts[1].ints[0] == 7 and parts[1].num_bytes == 4096
+
+
+def test_a_dispatch_handle_names_its_arrays_and_sizes():
+    """A handle keeps its six int arrays as one tuple and its sizes through its plan; each name reaches its own."""
+
+    class _Part:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def view(self, rows: int | None = None) -> tuple[int, int | None]:
+            return self.n, rows
+
+    plan = SimpleNamespace(num_tokens=1, hidden=2, num_topk=3, num_channels=4, num_experts=5)
+    handle = ops.DispatchHandle(tuple(_Part(i) for i in range(6)), 0, None, 7, 8, plan, 9)
+    assert (handle.num_tokens, handle.hidden, handle.num_topk, handle.num_channels, handle.num_experts) == (1, 2, 3,
+                                                                                                           4, 5)
+    names = ("rank_prefix_ints", "channel_prefix_ints", "recv_channel_offset_ints", "send_head_ints",
+             "recv_src_ints", "status_ints")
+    assert [getattr(handle, name).n for name in names] == list(range(6))
+    views = (handle.rank_prefix_matrix, handle.channel_prefix_matrix, handle.recv_channel_offset, handle.send_head)
+    assert views == ((0, None), (1, None), (2, None), (3, None)) and handle.recv_src_idx == (4, 8)  # rows received

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -255,34 +256,16 @@ class DispatchHandle:
     plan: DispatchPlan = field(repr=False)
     buffer_id: int = field(default=0, repr=False)
 
-    num_tokens = property(lambda self: self.plan.num_tokens)
-    hidden = property(lambda self: self.plan.hidden)
-    num_topk = property(lambda self: self.plan.num_topk)
-    num_channels = property(lambda self: self.plan.num_channels)
-    num_experts = property(lambda self: self.plan.num_experts)
-    rank_prefix_ints = property(lambda self: self.ints[0])
-    channel_prefix_ints = property(lambda self: self.ints[1])
-    recv_channel_offset_ints = property(lambda self: self.ints[2])
-    send_head_ints = property(lambda self: self.ints[3])
-    recv_src_ints = property(lambda self: self.ints[4])
-    status_ints = property(lambda self: self.ints[5])
+    # The dispatch's sizes, from its plan, and its int arrays by name.
+    num_tokens, hidden, num_topk, num_channels, num_experts = (
+        property(operator.attrgetter(f"plan.{name}")) for name in ("num_tokens", "hidden", "num_topk",
+                                                                   "num_channels", "num_experts"))
+    rank_prefix_ints, channel_prefix_ints, recv_channel_offset_ints, send_head_ints, recv_src_ints, status_ints = (
+        property(lambda self, i=i: self.ints[i]) for i in range(6))
 
     # CuPy views, made when read (a dispatch's host time is what a small batch waits for).
-    @property
-    def rank_prefix_matrix(self) -> Any:
-        return self.ints[0].view()
-
-    @property
-    def channel_prefix_matrix(self) -> Any:
-        return self.ints[1].view()
-
-    @property
-    def recv_channel_offset(self) -> Any:
-        return self.ints[2].view()
-
-    @property
-    def send_head(self) -> Any:
-        return self.ints[3].view()
+    rank_prefix_matrix, channel_prefix_matrix, recv_channel_offset, send_head = (
+        property(lambda self, i=i: self.ints[i].view()) for i in range(4))
 
     @property
     def recv_src_idx(self) -> Any:
