@@ -339,6 +339,8 @@ class DispatchPlan:
     flags: int
     # allocators of recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights by rows (None: not an output)
     new_outputs: tuple[Callable[[int], Any] | None, ...]
+    output_cols: tuple[int, ...]  # the outputs' columns, in the same order
+    record_ints: int  # the host record's head, totals and (without a handle) received tokens per local expert
     notify_args: jit.KernelArgs
     dispatch_args: jit.KernelArgs
     module: jit.Module
@@ -424,7 +426,10 @@ class Intranode:
                        out.row_allocator(kind, num_topk, out.dtype(kind, "int64")) if with_idx else None,
                        out.row_allocator(kind, num_topk, out.dtype(kind, "float32")) if with_weights else None)
         return DispatchPlan(framework, kind, num_tokens, hidden, num_topk, num_scales, num_experts, fp8, with_idx,
-                            with_weights, num_worst_tokens, channels, flags, new_outputs, notify, dispatch, module)
+                            with_weights, num_worst_tokens, channels, flags, new_outputs,
+                            (hidden, num_scales, num_topk, num_topk),
+                            2 + (META_INTS + 1) * self.num_ranks + (0 if cached else num_experts // self.num_ranks),
+                            notify, dispatch, module)
 
     def combine_plan(self, framework: str, kind: str, spec: IntranodeSpec, config: Config, handle: DispatchHandle,
                      with_weights: bool) -> CombinePlan:
@@ -513,9 +518,11 @@ class Intranode:
                 break
             self._wait_for_counts(host)
             profile.mark("host_synced")
-            num_recv = num_rows = int(host_ints[0])
-            if host_ints[1]:
-                if int(host_ints[1]) == STATUS_OVER_CAPACITY and estimated and attempt == 0:
+            # the record's head and per-expert counts as Python ints in one read (each numpy index costs one)
+            record = host_ints[:plan.record_ints].tolist()
+            num_recv = num_rows = record[0]
+            if record[1]:
+                if record[1] == STATUS_OVER_CAPACITY and estimated and attempt == 0:
                     capacity = num_recv  # every rank stopped; each runs again with its exact rows
                     self.estimate.retries += 1
                     continue
@@ -523,10 +530,10 @@ class Intranode:
                 if error is not None:
                     raise error
             self.estimate.saw(plan.num_tokens, num_recv)
-            per_expert_counts = self._after_counts(plan, host_ints, handle, num_recv)
+            per_expert_counts = self._after_counts(plan, record, handle, num_recv)
             profile.mark("counted")
             if num_rows < capacity:
-                outs = self._shrink(plan.kind, outs, num_rows)
+                outs = self._shrink(plan, outs, num_rows)
             profile.mark("shrunk")
             break
         if plan.num_worst_tokens > 0 and call >= 0:  # its record is read once this event is done
@@ -561,7 +568,7 @@ class Intranode:
         plan.module.launch(dispatch, grid, NUM_THREADS, stream=comm)
         profile.mark("dispatch", self.streams.comm)
 
-    def _after_counts(self, plan: DispatchPlan, host_ints: np.ndarray, handle: DispatchHandle | None,
+    def _after_counts(self, plan: DispatchPlan, record: list[int], handle: DispatchHandle | None,
                       num_recv: int) -> list[int]:
         """The tokens received per local expert (a replay has none), once notify's counts are in."""
         if handle is not None:
@@ -569,16 +576,16 @@ class Intranode:
                 raise EpjitError(with_rank(f"cached dispatch received {num_recv} rows, the handle says "
                                            f"{handle.num_recv_tokens}"))
             return []
-        lo = 2 + (META_INTS + 1) * self.num_ranks
-        return host_ints[lo:lo + plan.num_experts // self.num_ranks].tolist()
+        return record[2 + (META_INTS + 1) * self.num_ranks:]
 
     @staticmethod
-    def _shrink(kind: str, outs: tuple[Any, ...], rows: int) -> tuple[Any, ...]:
-        """The outputs cut to the rows that arrived: torch tensors in place (the cheapest), CuPy arrays as views."""
-        if kind == "torch":
-            for o in outs:
+    def _shrink(plan: DispatchPlan, outs: tuple[Any, ...], rows: int) -> tuple[Any, ...]:
+        """The outputs cut to the rows that arrived: torch tensors in place (the cheapest, with the sizes as separate
+        arguments, which torch parses faster than a tuple), CuPy arrays as views."""
+        if plan.kind == "torch":
+            for o, cols in zip(outs, plan.output_cols, strict=True):
                 if o is not None:
-                    o.resize_((rows, o.shape[1]))
+                    o.resize_(rows, cols)
             return outs
         return tuple(o[:rows] if o is not None else None for o in outs)
 

@@ -185,14 +185,15 @@ class Outputs:
         """A callable that allocates one output of this shape: what a plan keeps, so a call allocates with one call
         (torch's prototype's new_empty itself, unless outputs are poisoned)."""
         if kind == "torch" and not self.poison:
-            return functools.partial(self._proto(dtype).new_empty, shape)
+            # the sizes as separate arguments: torch parses them faster than one tuple
+            return functools.partial(self._proto(dtype).new_empty, *shape)
         return functools.partial(self.empty, kind, shape, dtype)
 
     def row_allocator(self, kind: str, cols: int, dtype: Any) -> Callable[[int], Any]:
         """A callable that allocates an output of ``rows`` x ``cols`` (rows known only at the call)."""
         if kind == "torch" and not self.poison:
             new_empty = self._proto(dtype).new_empty
-            return lambda rows: new_empty((rows, cols))
+            return lambda rows: new_empty(rows, cols)
         return lambda rows: self.empty(kind, (rows, cols), dtype)
 
     def _proto(self, dtype: Any) -> Any:
