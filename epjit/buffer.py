@@ -17,13 +17,11 @@ import dataclasses
 import sys
 from typing import Any
 
-import numpy as np
-
 from . import arrays
 from .arrays import address, fingerprint
 from .config import MAX_CHANNELS, Config, get_combine_config, get_dispatch_config, normal_size_hint
 from .env import settings
-from .errors import ArgumentError, ArgumentTypeError, EpjitError, SetupError, with_rank
+from .errors import ArgumentError, ArgumentTypeError, EpjitError, SetupError, check_flag, check_int, with_rank
 from .group import Group
 from .kernels import BarrierSpec
 from .kernels.intranode import intranode_min_nvl_bytes
@@ -52,25 +50,23 @@ class Buffer:
                  num_max_dispatch_tokens_per_rank: int = 0, hidden: int = 0, num_experts: int = 0) -> None:
         if not isinstance(group, Group):
             raise ArgumentTypeError(with_rank(f"group must be what epjit.init() returns, got {type(group).__name__}"))
-        sizes = {"num_nvl_bytes": num_nvl_bytes, "num_rdma_bytes": num_rdma_bytes,
-                 "num_max_dispatch_tokens_per_rank": num_max_dispatch_tokens_per_rank, "hidden": hidden,
-                 "num_experts": num_experts}
-        for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-                raise ArgumentTypeError(with_rank(f"Buffer({name}=...) must be an int >= 0, got {value!r}"))
+        # As ints, before any collective or GPU work: "1GB", 1.5 or True is no size (int() would make one of them).
+        num_nvl_bytes, num_rdma_bytes, self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts = (
+            check_int(value, f"Buffer({name}=...)") for name, value in (
+                ("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes),
+                ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
+                ("num_experts", num_experts)))
+        self.low_latency_mode = check_flag(low_latency_mode, "Buffer(low_latency_mode=...)")
         group.check_same("Buffer(num_nvl_bytes, num_rdma_bytes, low_latency_mode)",
-                         (int(num_nvl_bytes), int(num_rdma_bytes), bool(low_latency_mode)))
+                         (num_nvl_bytes, num_rdma_bytes, self.low_latency_mode))
         if group.device is None:
             raise SetupError(with_rank("epjit.Buffer needs a GPU, and epjit.init() bound none on this rank"))
         self.group, self.num_ranks, self.rank = group, group.size, group.rank
-        self.low_latency_mode = bool(low_latency_mode)
-        self.num_max_dispatch_tokens_per_rank = int(num_max_dispatch_tokens_per_rank)
-        self.hidden, self.num_experts = int(hidden), int(num_experts)
         if self.low_latency_mode:
-            num_rdma_bytes = self._check_low_latency_sizes(int(num_rdma_bytes))
+            num_rdma_bytes = self._check_low_latency_sizes(num_rdma_bytes)
         if num_nvl_bytes or not self.low_latency_mode:  # normal mode (a low-latency Buffer may have both)
-            self._check_normal_sizes(int(num_nvl_bytes))
-        self.num_nvl_bytes, self.num_rdma_bytes = int(num_nvl_bytes), int(num_rdma_bytes)
+            self._check_normal_sizes(num_nvl_bytes)
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self._settings = settings()  # read once: the environment is not re-read on the hot path
         self._device = group.device
         self.mem = PeerMemory.create(group, self.num_nvl_bytes, self.num_rdma_bytes)
@@ -179,15 +175,16 @@ class Buffer:
     def get_normal_size_hint(num_ranks: int, hidden: int, num_topk: int = 8, num_experts: int = 256,
                              config: Config | None = None) -> int:
         """num_nvl_bytes for normal-mode dispatch and combine of these sizes with the default (or given) config."""
-        return max(normal_size_hint(num_ranks, hidden, num_topk, num_experts, config),
-                   intranode_min_nvl_bytes(num_ranks, MAX_CHANNELS))
+        return max(normal_size_hint(num_ranks, hidden, num_topk, num_experts, config),  # checks the sizes first
+                   intranode_min_nvl_bytes(int(num_ranks), MAX_CHANNELS))
 
     @staticmethod
     def get_low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                   num_experts: int) -> int:
         """num_rdma_bytes (symmetric heap per rank) that low-latency mode needs for these sizes: two buffer sets."""
-        return low_latency_size_hint(int(num_max_dispatch_tokens_per_rank), int(hidden), int(num_ranks),
-                                     int(num_experts))
+        return low_latency_size_hint(*(check_int(value, name, 1) for name, value in (
+            ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
+            ("num_ranks", num_ranks), ("num_experts", num_experts))))
 
     def profile(self) -> dict[str, float]:
         """Where the last call spent its time (needs EPJIT_PROFILE=1; waits for that call's work): host
@@ -256,12 +253,11 @@ class Buffer:
         return plan
 
     def _check_num_experts(self, num_experts: Any) -> int:
-        if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts <= 0:
-            raise ArgumentError(with_rank(f"num_experts must be a positive int, got {num_experts!r}"))
+        num_experts = check_int(num_experts, "num_experts", 1)
         if num_experts % self.num_ranks:
             raise ArgumentError(with_rank(f"num_experts={num_experts} is not divisible by the {self.num_ranks} "
                                           "ranks (each rank owns num_experts / ranks experts)"))
-        return int(num_experts)
+        return num_experts
 
     # ------------------------------------------------------------------------------------------------ layout
 
@@ -270,9 +266,11 @@ class Buffer:
         """Counts per rank and per expert, and is_token_in_rank, for topk_idx [N, K] int64 (-1 = no expert)."""
         if self._closed or self._intranode is None:
             self._normal()  # raises what is wrong
+        if type(num_experts) is not int:  # no 64.0 or True in a key: it would find the plan of 64 or 1
+            num_experts = self._check_num_experts(num_experts)
         key = ("layout", fingerprint(topk_idx), num_experts, previous_event is None)
         plan = self._plans.get(key)
-        if plan is None or type(num_experts) is not int:
+        if plan is None:
             info = arrays.check(topk_idx, "topk_idx", dtype="int64", ndim=2, device=self._device)
             num_experts = self._check_num_experts(num_experts)
             kind = "torch" if info.framework == "torch" and previous_event is None else "cupy"
@@ -323,6 +321,12 @@ class Buffer:
         """
         normal = self._normal()
         normal.check_pending(self._caller_capturing)
+        # Numbers enter the plan key as ints: 8.0 or True would find the plan of 8 or 1 and skip every check.
+        if type(num_worst_tokens) is not int or type(expert_alignment) is not int:
+            num_worst_tokens = check_int(num_worst_tokens, "num_worst_tokens")
+            expert_alignment = check_int(expert_alignment, "expert_alignment", 1)
+        if num_experts is not None and type(num_experts) is not int:
+            num_experts = check_int(num_experts, "num_experts", 1)
         auto_experts = 0  # dispatch computes the layout itself (from topk_idx)
         if handle is not None:
             if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
@@ -342,7 +346,7 @@ class Buffer:
         key = ("dispatch", fingerprint(x), fingerprint(topk_idx), fingerprint(topk_weights), source,
                num_worst_tokens, expert_alignment, () if config is None else config, previous_event is None)
         plan = self._plans.get(key)
-        if plan is None or type(num_worst_tokens) is not int or type(expert_alignment) is not int:
+        if plan is None:
             plan, inputs, layout_inputs = self._dispatch_plan(key, x, topk_idx, topk_weights, handle, layout,
                                                               auto_experts, num_worst_tokens, expert_alignment,
                                                               config, previous_event)
@@ -433,10 +437,8 @@ class Buffer:
         if hidden % 8 or hidden <= 0:
             raise ArgumentError(with_rank(f"hidden={hidden} must be a positive multiple of 8 (16-byte rows)"))
         num_topk, idx_arg, w_arg = self._dispatch_topk(topk_idx, topk_weights, num_tokens)
-        for name, value, least in (("num_worst_tokens", num_worst_tokens, 0),
-                                   ("expert_alignment", expert_alignment, 1)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-                raise ArgumentError(with_rank(f"{name} must be an int >= {least}, got {value!r}"))
+        num_worst_tokens = check_int(num_worst_tokens, "num_worst_tokens")
+        expert_alignment = check_int(expert_alignment, "expert_alignment", 1)
         if handle is not None:
             if handle.num_tokens != num_tokens or handle.hidden != hidden:
                 raise ArgumentError(with_rank(f"x is [{num_tokens}, {hidden}] but the handle was made for "
@@ -455,7 +457,7 @@ class Buffer:
         kind = "torch" if x_info.framework == "torch" and previous_event is None else "cupy"
         plan = self._intranode_plan().dispatch_plan(
             x_info.framework, kind, self._spec_of(config), config, num_tokens, hidden, num_topk, fp8,
-            w_arg is not None, idx_arg is not None, num_experts, int(num_worst_tokens), int(expert_alignment),
+            w_arg is not None, idx_arg is not None, num_experts, num_worst_tokens, expert_alignment,
             handle is not None)
         inputs = DispatchInputs(x, x_arg, scales_arg, topk_idx, 0 if idx_arg is None else idx_arg, topk_weights,
                                 0 if w_arg is None else w_arg)
@@ -538,14 +540,18 @@ class Buffer:
         if ll is None:
             ll = self._low_latency()  # raises what is wrong
         ll.raise_status()
+        if type(num_max_dispatch_tokens_per_rank) is not int or type(num_experts) is not int:  # as in dispatch
+            num_max_dispatch_tokens_per_rank = check_int(num_max_dispatch_tokens_per_rank,
+                                                         "num_max_dispatch_tokens_per_rank", 1)
+            num_experts = check_int(num_experts, "num_experts", 1)
         stats = cumulative_local_expert_recv_stats
         key = ("ll_dispatch", fingerprint(x), fingerprint(topk_idx), fingerprint(stats),
                num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0)
         plan = self._plans.get(key)
         if plan is None:
             plan, x_arg, idx_arg, stats_arg = self._low_latency_dispatch_plan(
-                key, ll, x, topk_idx, stats, num_max_dispatch_tokens_per_rank, num_experts, bool(use_fp8),
-                bool(round_scale), bool(use_ue8m0))
+                key, ll, x, topk_idx, stats, num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale,
+                use_ue8m0)
         elif plan.torch:
             x_arg, idx_arg = x.data_ptr(), topk_idx.data_ptr()
             stats_arg = stats.data_ptr() if stats is not None else 0
@@ -555,9 +561,12 @@ class Buffer:
                            bool(async_finish))
 
     def _low_latency_dispatch_plan(self, key: tuple[Any, ...], ll: LowLatency, x: Any, topk_idx: Any, stats: Any,
-                                   num_max: Any, num_experts: Any, use_fp8: bool, round_scale: bool,
-                                   use_ue8m0: bool) -> tuple[Any, Any, Any, Any]:
+                                   num_max: int, num_experts: int, use_fp8: Any, round_scale: Any,
+                                   use_ue8m0: Any) -> tuple[Any, Any, Any, Any]:
         dev = self._device
+        # The flags are in the key as given: "False" (truthy) never finds a plan, and is refused here.
+        use_fp8, round_scale, use_ue8m0 = (check_flag(v, n) for v, n in (
+            (use_fp8, "use_fp8"), (round_scale, "round_scale"), (use_ue8m0, "use_ue8m0")))
         m, hidden, e, r = self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts, self.num_ranks
         if num_max != m or num_experts != e:
             raise ArgumentError(with_rank(f"num_max_dispatch_tokens_per_rank={num_max}, num_experts={num_experts}: "
@@ -658,7 +667,9 @@ class Buffer:
         self._check_open()
         if self._ll is None:
             raise EpjitError(with_rank("this Buffer was not made with low_latency_mode=True"))
-        given = (num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        given = tuple(value if value is None else check_int(value, name, 1) for name, value in (
+            ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
+            ("num_experts", num_experts)))
         mine = (self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts)
         if any(g is not None and g != m for g, m in zip(given, mine, strict=True)):
             raise ArgumentError(with_rank(f"clean_low_latency_buffer{given}: this Buffer was made for {mine} "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ArgumentError, with_rank
+from .errors import ArgumentError, ArgumentTypeError, check_flag, check_int, with_rank
 from .kernels.intranode import NUM_THREADS, IntranodeSpec, intranode_nvl_bytes, intranode_spec
 
 MAX_CHANNELS = 128  # every Buffer reserves control words for this many channels
@@ -42,11 +42,11 @@ class Config:
     dispatch_phased: bool = False
 
     def __post_init__(self) -> None:
+        # Stored as the int (a NumPy integer would hash and print as itself in every plan key and message).
         for name in ("num_sms", "nvl_chunk_send", "nvl_chunk_recv", "rdma_chunk_send", "rdma_chunk_recv",
                      "dispatch_send_warps", "dispatch_drain_warps", "combine_send_warps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ArgumentError(with_rank(f"Config.{name} must be an int, got {value!r}"))
+            object.__setattr__(self, name, check_int(getattr(self, name), f"Config.{name}", None))
+        object.__setattr__(self, "dispatch_phased", check_flag(self.dispatch_phased, "Config.dispatch_phased"))
         for name in ("dispatch_send_warps", "dispatch_drain_warps", "combine_send_warps"):
             if getattr(self, name) < 0:
                 raise ArgumentError(with_rank(f"Config.{name}={getattr(self, name)} must be >= 0 (0: the default)"))
@@ -82,12 +82,24 @@ class Config:
 
     def spec(self, num_ranks: int) -> IntranodeSpec:
         """The dispatch/combine kernel of these warp roles on this many ranks (ValueError if they cannot be)."""
-        return intranode_spec(num_ranks, NUM_THREADS, **self.roles())
+        return intranode_spec(check_int(num_ranks, "num_ranks", 1), NUM_THREADS, **self.roles())
 
     def nvl_bytes(self, num_ranks: int, hidden: int, num_topk: int, num_experts: int, fp8: bool) -> int:
         """Bytes of NVLink buffer payload a normal-mode call with these sizes needs."""
+        num_ranks, hidden = check_int(num_ranks, "num_ranks", 1), check_int(hidden, "hidden", 1)
+        num_topk, num_experts = check_int(num_topk, "num_topk"), check_int(num_experts, "num_experts")  # combine: 0
+        fp8 = check_flag(fp8, "fp8")
         return intranode_nvl_bytes(num_ranks, self.num_channels, self.nvl_chunk_recv, hidden, num_topk,
                                    hidden // 128 if fp8 else 0, num_experts // num_ranks)
+
+
+def _default_spec(num_ranks: int) -> IntranodeSpec:
+    """The default warp roles for a rank count a caller gave (ArgumentError naming it where there are none)."""
+    num_ranks = check_int(num_ranks, "num_ranks", 1)
+    try:
+        return intranode_spec(num_ranks)
+    except ValueError as e:
+        raise ArgumentError(with_rank(f"num_ranks={num_ranks}: {e}")) from None
 
 
 def get_dispatch_config(num_ranks: int, spec: IntranodeSpec | None = None) -> Config:
@@ -96,7 +108,7 @@ def get_dispatch_config(num_ranks: int, spec: IntranodeSpec | None = None) -> Co
     between tail updates, at least 12. Each tail update is a system-scope release that stalls the group even with
     nothing outstanding, so a chunk must outweigh it (docs/history.md, "Rings and chunks"). 2 ranks: 10 warps a
     peer, chunks of 40; 4 ranks: 4 warps a peer, 16 (phased, 12 warps in one group: 48)."""
-    spec = spec or intranode_spec(num_ranks)
+    spec = spec or _default_spec(num_ranks)
     return Config(24, max(12, 4 * spec.dispatch_group_send_warps), 256)
 
 
@@ -106,12 +118,15 @@ def get_combine_config(num_ranks: int, spec: IntranodeSpec | None = None) -> Con
     warp: a combine reader waits for the chunk holding its token's row, so large chunks leave the readers a chunk
     behind the senders (dispatch's drains copy rows as they come and take larger chunks; docs/history.md, "Rings
     and chunks"). 2 ranks: 14 rows; 4 and 8 ranks: 12."""
-    senders = max(1, (spec or intranode_spec(num_ranks)).combine_send_warps)
+    senders = max(1, (spec or _default_spec(num_ranks)).combine_send_warps)
     return Config(24, -(-12 // senders) * senders, 256)
 
 
 def normal_size_hint(num_ranks: int, hidden: int, num_topk: int = 8, num_experts: int = 256,
                      config: Config | None = None) -> int:
-    """num_nvl_bytes a Buffer needs for normal-mode dispatch (bf16 or FP8) and combine with these sizes."""
+    """num_nvl_bytes a Buffer needs for normal-mode dispatch (bf16 or FP8) and combine with these sizes (each
+    config's nvl_bytes checks them)."""
+    if config is not None and not isinstance(config, Config):
+        raise ArgumentTypeError(with_rank(f"config must be an epjit.Config, got {type(config).__name__}"))
     configs = [config] if config is not None else [get_dispatch_config(num_ranks), get_combine_config(num_ranks)]
     return max(c.nvl_bytes(num_ranks, hidden, num_topk, num_experts, fp8) for c in configs for fp8 in (False, True))

@@ -29,7 +29,16 @@ from typing import Any, Protocol, TypeVar, cast
 
 from . import _channel, env
 from ._channel import ChannelFailure
-from .errors import ArgumentError, ArgumentTypeError, CollectiveError, SetupError, set_rank, with_rank
+from .errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    CollectiveError,
+    SetupError,
+    as_int,
+    check_int,
+    set_rank,
+    with_rank,
+)
 
 __all__ = ["Group", "current", "init"]
 
@@ -304,7 +313,8 @@ class Group:
 
     def bcast_bytes(self, data: bytes | None, root: int = 0) -> bytes:
         """The root's ``data`` on every rank (the other ranks' ``data`` is ignored; pass None)."""
-        if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < self.size:
+        root = check_int(root, "bcast_bytes: root", None)
+        if not 0 <= root < self.size:
             raise ArgumentError(with_rank(f"bcast_bytes: root={root!r} is not a rank of a group of {self.size}"))
         payload = _as_bytes(data) if self.rank == root else None
         out = self._run("bcast_bytes", lambda t: t.bcast(payload, root))
@@ -375,7 +385,10 @@ class Group:
 
         if comm is not None and (self.backend != "mpi" or not _same_comm(comm, self._comm)):
             raise refuse("with a different communicator")
-        if num_nvl_ranks is not None and num_nvl_ranks != self.num_nvl_ranks:
+        if num_nvl_ranks is not None and as_int(num_nvl_ranks) is None:  # 2.0 == 2: not a reason to accept it
+            raise ArgumentTypeError(with_rank(f"num_nvl_ranks must be an int or None, got {num_nvl_ranks!r} "
+                                              f"({type(num_nvl_ranks).__name__})"))
+        if num_nvl_ranks is not None and as_int(num_nvl_ranks) != self.num_nvl_ranks:
             raise refuse(f"with num_nvl_ranks={num_nvl_ranks!r} (the group has {self.num_nvl_ranks})")
         if bind_device is True and self.device is None:
             raise refuse("with bind_device=True (the group uses no GPU)")
@@ -710,6 +723,8 @@ def _setup(
     bind_device: object,
     comm: Any,
 ) -> Group:
+    if as_int(num_nvl_ranks) is not None:
+        num_nvl_ranks = as_int(num_nvl_ranks)  # a NumPy integer is sent, compared and kept as the int it is
     gpus, note = (0, "bind_device=False") if bind_device is False else _visible_gpus()
     mine = _RankInfo(
         host=socket.gethostname(),

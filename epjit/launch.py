@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import hmac
 import json
+import numbers
 import os
 import secrets
 import signal
@@ -35,6 +36,7 @@ from typing import IO, Any
 
 from . import _channel as ch
 from . import env
+from .errors import ArgumentError, ArgumentTypeError, check_int, with_rank
 
 USAGE = "usage: python -m epjit.launch -n N [--timeout S] (-m module | -c command | script.py) [args...]"
 
@@ -370,12 +372,13 @@ class _Launcher:
         *,
         reap_orphans: bool,
     ) -> None:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"the number of ranks must be an int >= 1, got {n!r}")
+        n = check_int(n, "n (the number of ranks)", 1)
         if not argv:
             raise ValueError("nothing to run: give a script or -m module")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)):
+            raise ArgumentTypeError(with_rank(f"timeout must be a number of seconds or None, got {timeout!r}"))
+        if timeout is not None and not timeout > 0:  # NaN too
+            raise ArgumentError(with_rank(f"timeout must be > 0 seconds, got {timeout!r}"))
         self.n = n
         self.argv = [str(a) for a in argv]
         self.timeout = timeout

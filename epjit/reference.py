@@ -29,7 +29,7 @@ from typing import Any, Union
 import ml_dtypes
 import numpy as np
 
-from .errors import ArgumentError, ArgumentTypeError, with_rank
+from .errors import ArgumentError, ArgumentTypeError, check_flag, check_int, with_rank
 
 __all__ = [
     "BF16",
@@ -200,20 +200,12 @@ def _per_rank(name: str, values: Any, num_ranks: int | None = None) -> list[Any]
     return list(values)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise _error(f"{name}={value!r} must be an int >= {minimum}")
-    return int(value)
-
-
-def _check_num_experts(num_experts: int, num_ranks: int) -> int:
-    if not isinstance(num_experts, (int, np.integer)) or isinstance(num_experts, bool):
-        raise _type_error(f"num_experts must be an int, got {type(num_experts).__name__}")
-    if num_ranks < 1:
-        raise _error(f"num_ranks={num_ranks} must be >= 1")
+def _check_num_experts(num_experts: int, num_ranks: int) -> tuple[int, int]:
+    """``(num_experts, num_experts / num_ranks)`` as ints, after checking both."""
+    num_experts, num_ranks = check_int(num_experts, "num_experts", None), check_int(num_ranks, "num_ranks", 1)
     if num_experts < 1 or num_experts % num_ranks != 0:
         raise _error(f"num_experts={num_experts} must be a positive multiple of num_ranks={num_ranks}")
-    return num_experts // num_ranks
+    return num_experts, num_experts // num_ranks
 
 
 def _is_float_dtype(dtype: np.dtype) -> bool:
@@ -290,10 +282,11 @@ def _poison_bf16(shape: tuple[int, ...]) -> np.ndarray:
 
 def rank_of_expert(expert: int, num_experts: int, num_ranks: int) -> int:
     """The rank that owns global expert ``expert``: rank ``r`` owns ``[r*E/R, (r+1)*E/R)``."""
-    num_local = _check_num_experts(num_experts, num_ranks)
+    num_experts, num_local = _check_num_experts(num_experts, num_ranks)
+    expert = check_int(expert, "expert", None)
     if not 0 <= expert < num_experts:
         raise _error(f"expert={expert} must lie in [0, {num_experts}) (num_experts)")
-    return int(expert) // num_local
+    return expert // num_local
 
 
 def get_dispatch_layout(
@@ -308,7 +301,10 @@ def get_dispatch_layout(
     - ``num_tokens_per_expert[e]``: top-k slots naming expert ``e``. A token listing ``e`` twice counts twice (the
       DeepEP layout kernel counts slots, and so does the received ``num_recv_tokens_per_expert``).
     """
-    num_local = _check_num_experts(num_experts, num_ranks)
+    num_experts, num_local = _check_num_experts(num_experts, num_ranks)
+    num_ranks = int(num_ranks)
+    if num_nvl_ranks is not None:
+        num_nvl_ranks = check_int(num_nvl_ranks, "num_nvl_ranks", None)
     if num_nvl_ranks is not None and (num_nvl_ranks < 1 or num_ranks % num_nvl_ranks != 0):
         raise _error(f"num_nvl_ranks={num_nvl_ranks} must be >= 1 and divide num_ranks={num_ranks}")
     idx = _check_topk_idx(topk_idx, "topk_idx", None, None, num_experts)
@@ -518,10 +514,10 @@ def dispatch(
       ``handle.num_recv_tokens`` rows of ``x``). More received rows than ``num_worst_tokens`` is an ArgumentError.
     """
     num_ranks = len(_per_rank("xs", xs))
-    num_local = _check_num_experts(num_experts, num_ranks)
+    num_experts, num_local = _check_num_experts(num_experts, num_ranks)
     topk_idx = _per_rank("topk_idx", topk_idx, num_ranks)
-    expert_alignment = _check_int("expert_alignment", expert_alignment, 1)
-    num_worst_tokens = _check_int("num_worst_tokens", num_worst_tokens, 0)
+    expert_alignment = check_int(expert_alignment, "expert_alignment", 1)
+    num_worst_tokens = check_int(num_worst_tokens, "num_worst_tokens", 0)
     inputs = _check_dispatch_inputs(xs, topk_idx, topk_weights, x_scales, num_experts)
     routing = _route_normal(inputs.topk_idx, num_experts)
 
@@ -669,7 +665,8 @@ def per_token_cast_to_fp8(
         raise _error(f"x must have a hidden dimension, got shape {arr.shape}")
     hidden = arr.shape[-1]
     _check_hidden_fp8(hidden, "x")
-    round_scale = round_scale or use_ue8m0
+    use_ue8m0 = check_flag(use_ue8m0, "use_ue8m0")
+    round_scale = check_flag(round_scale, "round_scale") or use_ue8m0
 
     blocks = arr.astype(np.float32).reshape(*arr.shape[:-1], hidden // FP8_BLOCK, FP8_BLOCK)
     amax = np.maximum(np.abs(blocks).max(axis=-1, initial=0.0), np.float32(FP8_AMAX_FLOOR))
@@ -720,7 +717,14 @@ def fp8_to_float(q_bits: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 def pack_layout_range(begin: np.ndarray | int, count: np.ndarray | int) -> np.ndarray:
     """``begin << 32 | count`` as int64 (the layout_range encoding)."""
-    return (np.asarray(begin, dtype=np.int64) << 32) | np.asarray(count, dtype=np.int64)
+    parts = []
+    for name, value in (("begin", begin), ("count", count)):
+        part = np.asarray(value)
+        if not np.issubdtype(part.dtype, np.integer):  # np.asarray(3.7 or "3", dtype=np.int64) would take it
+            shown = repr(value) if part.ndim == 0 else f"an array of {part.dtype}"
+            raise _type_error(f"{name} must be an int or an integer array, got {shown}")
+        parts.append(part.astype(np.int64))
+    return (parts[0] << 32) | parts[1]
 
 
 def unpack_layout_range(layout_range: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -862,9 +866,11 @@ def low_latency_dispatch(
     for one expert, is an ArgumentError: each (expert, source) receive slot has room for ``max`` rows.
     """
     num_ranks = len(_per_rank("xs", xs))
-    _check_num_experts(num_experts, num_ranks)
+    num_experts = _check_num_experts(num_experts, num_ranks)[0]
     topk_idx = _per_rank("topk_idx", topk_idx, num_ranks)
-    max_tokens = _check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, 1)
+    max_tokens = check_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", 1)
+    use_fp8, round_scale, use_ue8m0 = (check_flag(v, n) for v, n in (
+        (use_fp8, "use_fp8"), (round_scale, "round_scale"), (use_ue8m0, "use_ue8m0")))
     if not use_fp8 and (round_scale or use_ue8m0):
         raise _error(f"round_scale={round_scale} and use_ue8m0={use_ue8m0} need use_fp8=True")
     xs_in, idx_in = _check_low_latency_inputs(xs, topk_idx, max_tokens, num_experts)
@@ -930,8 +936,7 @@ def low_latency_combine(
             raise _error(f"handles[{r}] is for {h.num_ranks} ranks but {num_ranks} handles were given")
         if h.num_experts != handles[0].num_experts:
             raise _error(f"handles[{r}] has num_experts={h.num_experts} but handles[0] has {handles[0].num_experts}")
-    num_experts = handles[0].num_experts
-    num_local = _check_num_experts(num_experts, num_ranks)
+    num_experts, num_local = _check_num_experts(handles[0].num_experts, num_ranks)
     ys = _per_rank("ys", ys, num_ranks)
     topk_idx = _per_rank("topk_idx", topk_idx, num_ranks)
     topk_weights = _per_rank("topk_weights", topk_weights, num_ranks)

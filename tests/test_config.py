@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
-from epjit import ArgumentError, Config
+from epjit import ArgumentError, ArgumentTypeError, Config
 from epjit.config import (
     COMBINE_READERS,
     MAX_CHANNELS,
@@ -94,8 +95,48 @@ def test_warp_roles_are_config_fields_and_their_chunks():
         IntranodeSpec(1, NUM_THREADS, 1, 0, 0, False)
     with pytest.raises(ArgumentError, match=r"Config.combine_send_warps=-1 must be >= 0"):
         Config(combine_send_warps=-1)
-    with pytest.raises(ArgumentError, match=r"Config.num_sms must be an int, got '24'"):
+    with pytest.raises(ArgumentTypeError, match=r"Config.num_sms must be an int, got '24'"):
         Config("24")  # type: ignore[arg-type]
+
+
+def test_config_numbers_are_ints_and_its_flag_a_bool():
+    """A float, a bool or None is no count (a NumPy integer is, and is kept as the int it is); a flag given as text
+    would be truthy whatever it says."""
+    for name, value in (("nvl_chunk_send", 6.0), ("nvl_chunk_recv", None), ("num_sms", True),
+                        ("rdma_chunk_recv", np.float64(128)), ("combine_send_warps", np.array([2]))):
+        with pytest.raises(ArgumentTypeError, match=rf"^Config\.{name} must be an int, got "):
+            Config(**{name: value})
+    config = Config(num_sms=np.int64(8), nvl_chunk_send=np.array(6), dispatch_phased=np.True_)
+    assert type(config.num_sms) is int and type(config.nvl_chunk_send) is int and config.dispatch_phased is True
+    assert config == Config(num_sms=8, dispatch_phased=True) and hash(config) == hash(Config(8, dispatch_phased=True))
+    with pytest.raises(ArgumentTypeError, match=r"^Config\.dispatch_phased must be True or False, got 'no'$"):
+        Config(dispatch_phased="no")  # type: ignore[arg-type]
+
+
+def test_default_configs_and_size_hints_refuse_what_is_not_a_count():
+    """get_*_config and the hints name the argument that is not an int, or out of range, before computing."""
+    from epjit import Buffer
+
+    for call, message in (
+        (lambda: get_dispatch_config("4"), r"num_ranks must be an int >= 1, got '4'"),
+        (lambda: get_combine_config(0), r"num_ranks must be an int >= 1, got 0"),
+        (lambda: get_dispatch_config(9), r"num_ranks=9: .*cannot form the dispatch groups .*"),
+        (lambda: Config().spec(4.0), r"num_ranks must be an int >= 1, got 4.0"),
+        (lambda: Buffer.get_normal_size_hint(4, "7168"), r"hidden must be an int >= 1, got '7168'"),
+        (lambda: Buffer.get_normal_size_hint(4, 7168, 8.0), r"num_topk must be an int >= 0, got 8.0"),
+        (lambda: normal_size_hint(4, 7168, 8, None), r"num_experts must be an int >= 0, got None"),
+        (lambda: normal_size_hint(2.5, 7168), r"num_ranks must be an int >= 1, got 2.5"),
+        (lambda: normal_size_hint(4, 7168, config={"num_sms": 24}), r"config must be an epjit.Config, got dict"),
+        (lambda: Buffer.get_low_latency_size_hint("128", 7168, 8, 256),
+         r"num_max_dispatch_tokens_per_rank must be an int >= 1, got '128'"),
+        (lambda: Buffer.get_low_latency_size_hint(128, 7168.5, 8, 256), r"hidden must be an int >= 1, got 7168.5"),
+        (lambda: Buffer.get_low_latency_size_hint(128, 7168, 8, 0), r"num_experts must be an int >= 1, got 0"),
+    ):
+        with pytest.raises((ArgumentError, ArgumentTypeError), match=f"^{message}$"):
+            call()
+    assert Buffer.get_low_latency_size_hint(np.int64(128), 7168, np.array(8), 256) == \
+        Buffer.get_low_latency_size_hint(128, 7168, 8, 256)
+    assert Buffer.get_normal_size_hint(np.int32(4), 7168) == Buffer.get_normal_size_hint(4, 7168)
 
 
 def test_buffer_for_4096x7168_default_config_is_at_most_1_gib():
@@ -167,10 +208,16 @@ def test_normal_grid_launches_spare_blocks_for_the_channel_claims():
 
 def test_buffer_sizes_must_be_integers_named():
     """A size given as text or a float is refused naming the argument, before any collective or GPU work."""
-    from epjit import ArgumentTypeError, Buffer
+    from epjit import Buffer
     from epjit.group import Group
 
     group = object.__new__(Group)  # is a Group; never asked anything: the sizes are checked first
-    for name, value in (("num_nvl_bytes", "1GB"), ("num_rdma_bytes", 1.5), ("hidden", -1), ("num_experts", True)):
+    for name, value in (("num_nvl_bytes", "1GB"), ("num_rdma_bytes", 1.5), ("num_experts", True),
+                        ("num_max_dispatch_tokens_per_rank", None), ("hidden", np.array(7168.0))):
         with pytest.raises(ArgumentTypeError, match=rf"Buffer\({name}=\.\.\.\) must be an int >= 0, got"):
             Buffer(group, **{name: value})
+    with pytest.raises(ArgumentError, match=r"^Buffer\(hidden=\.\.\.\) must be an int >= 0, got -1$"):
+        Buffer(group, hidden=-1)  # an int, but no size
+    with pytest.raises(ArgumentTypeError,
+                       match=r"^Buffer\(low_latency_mode=\.\.\.\) must be True or False, got 'False'$"):
+        Buffer(group, low_latency_mode="False")  # truthy: it would have made a low-latency Buffer

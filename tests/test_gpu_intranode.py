@@ -30,6 +30,11 @@ def test_intranode_against_reference(n, shared):
         assert "topk_idx must have shape" in refused["idx_rows"], refused
         assert "not divisible" in refused["experts_not_divisible"], refused
         assert "bytes of NVLink buffer" in refused["buffer_too_small"], refused
+        for key, message in (("experts_not_int", "num_experts must be an int >= 1, got 64.0"),
+                             ("alignment_not_int", "expert_alignment must be an int >= 1, got 1.0"),
+                             ("worst_not_int", "num_worst_tokens must be an int >= 0, got '512'"),
+                             ("layout_experts_not_int", "num_experts must be an int >= 1, got '64'")):
+            assert refused[key].startswith(f"ArgumentTypeError: {message}"), refused
         assert "num_worst_tokens=8 is too small for what arrives" in r["worst_too_small"], r
         assert "num_worst_tokens=8 is too small for what arrives" in r["run_ahead_refusal"], r
         assert "num_worst_tokens=8 is too small for what arrives" in r["close_refusal"], r

@@ -28,6 +28,8 @@ def _check(results: list[dict], n: int) -> None:
         assert "receive hook that has not run" in refused["set_reused"], refused
         assert "call its hook() first" in refused["combine_before_hook"], refused
         assert "hook already ran" in refused["hook_twice"], refused
+        assert "tokens_per_rank must be an int >= 1, got 32.0" in refused["max_tokens_not_int"], refused
+        assert "use_fp8 must be True or False, got 'False'" in refused["fp8_flag_as_text"], refused
         if r["rank"] == 0:
             assert "outside [-1, num_experts=" in refused["invalid_ids"], refused
             assert "outside [-1, num_experts=" in refused["invalid_ids_synchronize"], refused

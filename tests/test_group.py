@@ -10,6 +10,7 @@ import struct
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import epjit
@@ -164,6 +165,9 @@ def test_single_rank_group(single):
         g.allgather_bytes("abc")
     with pytest.raises(ArgumentError, match="root=1 is not a rank of a group of 1"):
         g.bcast_bytes(b"x", root=1)
+    with pytest.raises(ArgumentTypeError, match=r"^bcast_bytes: root must be an int, got '0'$"):
+        g.bcast_bytes(b"x", root="0")
+    assert g.bcast_bytes(b"x", root=np.int64(0)) == b"x"
     with pytest.raises(ArgumentTypeError, match="cannot pickle"):
         g.allgather_object(threading.Lock())
 
@@ -171,13 +175,26 @@ def test_single_rank_group(single):
 def test_second_init_returns_the_same_group(single):
     assert epjit.init() is single
     assert epjit.init(num_nvl_ranks=1) is single
+    assert epjit.init(num_nvl_ranks=np.int64(1)) is single
     with pytest.raises(ArgumentError, match="num_nvl_ranks=2"):
         epjit.init(num_nvl_ranks=2)
+    for value in (1.0, True, "1"):  # 1.0 == True == 1: equal to the group's, and still no rank count
+        with pytest.raises(ArgumentTypeError,
+                           match=rf"^num_nvl_ranks must be an int or None, got {value!r} \({type(value).__name__}\)$"):
+            epjit.init(num_nvl_ranks=value)
     with pytest.raises(ArgumentError, match="bind_device=True"):
         epjit.init(bind_device=True)
     assert epjit.init(bind_device=False) is single
     with pytest.raises(ArgumentError, match="different communicator"):
         epjit.init(comm=object())
+
+
+def test_first_init_takes_num_nvl_ranks_as_an_int(single):
+    single.close()
+    with pytest.raises(ArgumentTypeError, match=r"^num_nvl_ranks must be an int or None, got 1\.0 \(float\)$"):
+        epjit.init(num_nvl_ranks=1.0, bind_device=False)
+    with epjit.init(num_nvl_ranks=np.int64(1), bind_device=False) as g:
+        assert g.num_nvl_ranks == 1 and type(g.num_nvl_ranks) is int
 
 
 def test_closed_group(single):
@@ -234,6 +251,8 @@ def test_launcher_variables_without_a_launcher_is_a_setup_error():
         ("8", "NVL ArgumentError: num_nvl_ranks=8 but host "),
         ("split", "NVL ArgumentError: num_nvl_ranks differs across ranks: rank 0: 1, ranks 1-3: 2 (rank {r})"),
         ("'2'", "NVL ArgumentTypeError: num_nvl_ranks must be an int or None, got '2' (str) (rank {r})"),
+        ("2.0", "NVL ArgumentTypeError: num_nvl_ranks must be an int or None, got 2.0 (float) (rank {r})"),
+        ("__import__('numpy').int64(2)", "NVL ok rank={r} num_nvl_ranks=2 nvl_rank={nr} nvl_node={nn}"),
     ],
 )
 def test_num_nvl_ranks(arg, expected):

@@ -738,7 +738,7 @@ def test_validation_shapes_and_dtypes():
         ref.dispatch(HAND_X, HAND_IDX[:1], None, 4)
     with pytest.raises(ArgumentTypeError, match="one entry per rank"):
         ref.dispatch(HAND_X[0], HAND_IDX, None, 4)
-    with pytest.raises(ArgumentError, match="expert_alignment=0"):
+    with pytest.raises(ArgumentError, match="expert_alignment must be an int >= 1, got 0"):
         ref.dispatch(HAND_X, HAND_IDX, None, 4, expert_alignment=0)
     q = [np.zeros((3, 100), np.uint8), np.zeros((0, 100), np.uint8)]
     with pytest.raises(ArgumentError, match="hidden=100, which must be a multiple of 128"):
@@ -746,6 +746,38 @@ def test_validation_shapes_and_dtypes():
     q = [np.zeros((3, 128), np.uint8), np.zeros((0, 128), np.uint8)]
     with pytest.raises(ArgumentError, match=r"x_scales\[0\] has shape \(3, 2\)"):
         ref.dispatch(q, HAND_IDX, None, 4, x_scales=[np.zeros((3, 2), np.float32), np.zeros((0, 1), np.float32)])
+
+
+def test_validation_numbers():
+    """A count that is not an integer is refused naming it; a NumPy integer counts as the int it is."""
+    for call, message in (
+        (lambda: ref.dispatch(HAND_X, HAND_IDX, None, "4"), "num_experts must be an int, got '4'"),
+        (lambda: ref.dispatch(HAND_X, HAND_IDX, None, 4.0), "num_experts must be an int, got 4.0"),
+        (lambda: ref.dispatch(HAND_X, HAND_IDX, None, 4, num_worst_tokens=8.0),
+         "num_worst_tokens must be an int >= 0, got 8.0"),
+        (lambda: ref.dispatch(HAND_X, HAND_IDX, None, 4, expert_alignment="2"),
+         "expert_alignment must be an int >= 1, got '2'"),
+        (lambda: ref.rank_of_expert(1.5, 8, 4), "expert must be an int, got 1.5"),
+        (lambda: ref.rank_of_expert(1, 8, "4"), "num_ranks must be an int >= 1, got '4'"),
+        (lambda: ref.get_dispatch_layout(HAND_IDX[0], 4, 2, num_nvl_ranks=1.0),
+         "num_nvl_ranks must be an int, got 1.0"),
+        (lambda: ref.low_latency_dispatch(LL_X, LL_IDX, 3.0, 4),
+         "num_max_dispatch_tokens_per_rank must be an int >= 1, got 3.0"),
+        (lambda: ref.low_latency_dispatch(LL_X, LL_IDX, 3, 4, use_fp8="False"),
+         "use_fp8 must be True or False, got 'False'"),
+        (lambda: ref.per_token_cast_to_fp8(np.ones((1, 128), np.float32), use_ue8m0="no"),
+         "use_ue8m0 must be True or False, got 'no'"),
+        (lambda: ref.pack_layout_range(3.7, 2), "begin must be an int or an integer array, got 3.7"),
+        (lambda: ref.pack_layout_range(3, np.array(["2"])),
+         "count must be an int or an integer array, got an array of <U1"),
+    ):
+        with pytest.raises(ArgumentTypeError) as e:
+            call()
+        assert str(e.value) == message
+    assert ref.rank_of_expert(np.int64(5), np.array(8), np.int32(4)) == 2
+    layout = ref.get_dispatch_layout(HAND_IDX[0], np.int64(4), np.int64(2))
+    assert layout.num_tokens_per_expert.shape == (4,)
+    assert int(ref.pack_layout_range(np.int32(3), np.array([2]))[0]) == 3 << 32 | 2
 
 
 def test_validation_combine():

@@ -297,7 +297,12 @@ def main() -> int:
         x = torch.randn(64, 2048, device="cuda").to(torch.bfloat16)
         idx = torch.randint(0, 64, (64, 4), device="cuda")
         refused = {}
+        buf.dispatch(x, topk_idx=idx, num_experts=64)  # a plan that 64.0 or 1.0 (== 64, 1) must not find
         for name, call in [
+            ("experts_not_int", lambda: buf.dispatch(x, topk_idx=idx, num_experts=64.0)),
+            ("alignment_not_int", lambda: buf.dispatch(x, topk_idx=idx, num_experts=64, expert_alignment=1.0)),
+            ("worst_not_int", lambda: buf.dispatch(x, topk_idx=idx, num_experts=64, num_worst_tokens="512")),
+            ("layout_experts_not_int", lambda: buf.get_dispatch_layout(idx, "64")),
             ("non_contiguous", lambda: buf.dispatch(x.t().contiguous().t(), topk_idx=idx, num_experts=64)),
             ("wrong_dtype", lambda: buf.dispatch(x.float(), topk_idx=idx, num_experts=64)),
             ("idx_rows", lambda: buf.dispatch(x, topk_idx=idx[:63], num_experts=64)),

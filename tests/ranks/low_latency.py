@@ -314,6 +314,9 @@ def refusals(buf, group, rank: int, R: int) -> dict[str, str]:
     d1.hook()
     d2.hook()
     refused("hook_twice", d1.hook)
+    # Not ints or bools: refused before the plan of (m, experts, use_fp8=True) is looked up (m.0 == m, "False" truthy).
+    refused("max_tokens_not_int", lambda: buf.low_latency_dispatch(x[:2], idx[:2], float(m), experts))
+    refused("fp8_flag_as_text", lambda: buf.low_latency_dispatch(x[:2], idx[:2], m, experts, use_fp8="False"))
     # Out-of-range ids: skipped by the kernel, reported by the next call on every rank that had them.
     bad = idx[:2].clone()
     bad[0, 0] = experts + 5 if rank == 0 else 0

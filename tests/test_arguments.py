@@ -1,0 +1,195 @@
+"""CPU tier: number (and flag) arguments of the public calls. A non-integer is refused naming the argument and
+showing the value, before any plan is looked up, any kernel runs or any GPU memory is touched; an integer of
+another type (NumPy's, a 0-d integer array) is taken as the int it is."""
+
+from __future__ import annotations
+
+import enum
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from epjit import ArgumentError, ArgumentTypeError, Buffer
+from epjit.errors import check_flag, check_int, set_rank
+from epjit.launch import launch
+
+NOT_INTS = ["8", 8.0, 8.5, None, True, np.True_, np.float32(8), np.array(8.0), np.array([8]), np.array(True), [8],
+            object()]
+
+
+class _Eight(enum.IntEnum):
+    EIGHT = 8
+
+
+@pytest.mark.parametrize("value", NOT_INTS, ids=repr)
+def test_check_int_refuses_what_is_not_an_integer_naming_it(value):
+    with pytest.raises(ArgumentTypeError) as e:
+        check_int(value, "num_worst_tokens")
+    assert str(e.value) == f"num_worst_tokens must be an int >= 0, got {value!r}"
+
+
+def test_check_int_takes_integers_of_any_kind_as_ints():
+    for value in (8, np.int64(8), np.uint8(8), np.int32(8), np.array(8), np.array(8, dtype=np.int16), _Eight.EIGHT):
+        got = check_int(value, "x", 1)
+        assert got == 8 and type(got) is int, (value, got)
+    with pytest.raises(ArgumentError, match=r"^expert_alignment must be an int >= 1, got 0$"):
+        check_int(0, "expert_alignment", 1)
+    with pytest.raises(ArgumentError, match=r"^hidden must be an int >= 0, got np\.int64\(-1\)$"):
+        check_int(np.int64(-1), "hidden")
+    assert check_int(-5, "offset", None) == -5  # no bound
+    with pytest.raises(ArgumentTypeError, match=r"^x must be an int, got '1'$"):
+        check_int("1", "x", None)
+    set_rank(3)
+    try:
+        with pytest.raises(ArgumentTypeError, match=r"^x must be an int >= 0, got 1\.5 \(rank 3\)$"):
+            check_int(1.5, "x")
+    finally:
+        set_rank(None)
+
+
+def test_check_int_takes_torch_integer_scalars_only():
+    torch = pytest.importorskip("torch")
+    for value in (torch.tensor(8), torch.tensor(8, dtype=torch.int32)):
+        got = check_int(value, "x")
+        assert got == 8 and type(got) is int, value
+    for value in (torch.tensor(8.0), torch.tensor(True), torch.tensor([8]), torch.tensor([8, 9])):
+        with pytest.raises(ArgumentTypeError, match=r"^x must be an int >= 0, got tensor\("):
+            check_int(value, "x")
+    assert check_flag(torch.tensor(True), "f") is True
+    with pytest.raises(ArgumentTypeError, match=r"^f must be True or False, got tensor\("):
+        check_flag(torch.tensor([True, False]), "f")
+
+
+def test_check_flag():
+    for value, expected in ((True, True), (False, False), (np.True_, True), (np.False_, False), (1, True), (0, False),
+                            (np.array(True), True)):
+        assert check_flag(value, "use_fp8") is expected, value
+    for value in ("False", "True", None, 2, np.array([True, False]), [True]):
+        with pytest.raises(ArgumentTypeError) as e:
+            check_flag(value, "use_fp8")
+        assert str(e.value) == f"use_fp8 must be True or False, got {value!r}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Buffer calls, on a Buffer with no GPU, memory or kernels behind it
+# --------------------------------------------------------------------------------------------------------------
+
+
+class _Looked(Exception):
+    def __init__(self, key: tuple) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+class _Plans(dict):
+    """A plan cache that stops the call at its first look-up: a check that raises first ran before it."""
+
+    def get(self, key, default=None):
+        raise _Looked(key)
+
+
+def _hollow(num_ranks: int = 2) -> Buffer:
+    """A Buffer object with nothing behind it: a call that gets past its argument checks to a plan, a kernel or the
+    memory fails otherwise (_Looked, or AttributeError)."""
+    buf = object.__new__(Buffer)
+    buf._closed, buf._plans, buf._device, buf.num_ranks = False, _Plans(), 0, num_ranks
+    buf._intranode = SimpleNamespace(check_pending=lambda capturing: None)
+    buf._ll = SimpleNamespace(raise_status=lambda: None)
+    buf.num_max_dispatch_tokens_per_rank, buf.hidden, buf.num_experts = 8, 256, 64
+    return buf
+
+
+IDX = np.zeros((4, 2), dtype=np.int64)
+
+
+@pytest.mark.parametrize("name, minimum, value", [
+    (name, minimum, value) for name, minimum in (("num_worst_tokens", 0), ("expert_alignment", 1), ("num_experts", 1))
+    for value in ("8", 8.0, None, True, np.array(8.0)) if not (name == "num_experts" and value is None)  # the default
+], ids=repr)
+def test_dispatch_refuses_a_number_that_is_not_an_int_before_its_plan(name, minimum, value):
+    """8.0 == 8 and True == 1 (and hash alike): in the plan key they would find the plan of 8 or 1 and skip every
+    check; np.array(8.0) there would raise a bare TypeError (unhashable)."""
+    with pytest.raises(ArgumentTypeError) as e:
+        _hollow().dispatch(None, topk_idx=IDX, **{name: value})
+    assert str(e.value) == f"{name} must be an int >= {minimum}, got {value!r}"
+
+
+def test_dispatch_and_layout_key_their_plans_by_ints():
+    with pytest.raises(_Looked) as e:
+        _hollow().dispatch(None, topk_idx=IDX, num_experts=np.int64(64), num_worst_tokens=np.array(8),
+                           expert_alignment=np.uint8(2))
+    source, worst, alignment = e.value.key[4:7]
+    assert source == ("auto", 64) and (worst, alignment) == (8, 2) and {type(worst), type(alignment)} == {int}
+    assert type(source[1]) is int
+    with pytest.raises(_Looked) as e:
+        _hollow().get_dispatch_layout(IDX, np.int32(64))
+    assert e.value.key[2] == 64 and type(e.value.key[2]) is int
+
+
+@pytest.mark.parametrize("value", ["64", 64.0, None, True, np.array(64.0)], ids=repr)
+def test_get_dispatch_layout_refuses_num_experts_that_is_not_an_int(value):
+    with pytest.raises(ArgumentTypeError) as e:
+        _hollow().get_dispatch_layout(IDX, value)
+    assert str(e.value) == f"num_experts must be an int >= 1, got {value!r}"
+    with pytest.raises(ArgumentError, match="num_experts=63 is not divisible by the 2 ranks"):
+        _hollow().get_dispatch_layout(IDX, np.int64(63))
+
+
+@pytest.mark.parametrize("name", ["num_max_dispatch_tokens_per_rank", "num_experts"])
+@pytest.mark.parametrize("value", ["8", 8.0, None, False, np.array(8.0)], ids=repr)
+def test_low_latency_dispatch_refuses_sizes_that_are_not_ints_before_its_plan(name, value):
+    sizes = {"num_max_dispatch_tokens_per_rank": 8, "num_experts": 64, name: value}
+    with pytest.raises(ArgumentTypeError) as e:
+        _hollow().low_latency_dispatch(None, None, **sizes)
+    assert str(e.value) == f"{name} must be an int >= 1, got {value!r}"
+
+
+def test_low_latency_dispatch_keys_ints_and_refuses_flags_given_as_text():
+    with pytest.raises(_Looked) as e:
+        _hollow().low_latency_dispatch(None, None, np.int64(8), np.array(64))
+    assert e.value.key[4:6] == (8, 64) and {type(v) for v in e.value.key[4:6]} == {int}
+    buf = _hollow()
+    buf._plans = {}  # "False" is in the key as given: it finds no plan, and the plan's checks refuse it
+    for flag in ("use_fp8", "round_scale", "use_ue8m0"):
+        with pytest.raises(ArgumentTypeError, match=rf"^{flag} must be True or False, got 'False'$"):
+            buf.low_latency_dispatch(None, None, 8, 64, **{flag: "False"})
+
+
+def test_clean_low_latency_buffer_refuses_sizes_that_are_not_ints():
+    buf = _hollow()
+    for name, value in (("hidden", 256.0), ("num_experts", "64"), ("num_max_dispatch_tokens_per_rank", True)):
+        with pytest.raises(ArgumentTypeError, match=rf"^{name} must be an int >= 1, got {value!r}$"):
+            buf.clean_low_latency_buffer(**{name: value})  # 256.0 == 256: it would have been taken
+    cleaned = []
+    buf.mem, buf.comm_stream = SimpleNamespace(synchronize=lambda stream: None), None
+    buf.group = SimpleNamespace(barrier=lambda: None)
+    buf._ll = SimpleNamespace(clean=lambda: cleaned.append(True))
+    buf.clean_low_latency_buffer(np.int64(8), np.array(256), 64)
+    assert cleaned == [True]
+    with pytest.raises(ArgumentError, match=r"clean_low_latency_buffer\(8, 128, None\): this Buffer was made for"):
+        buf.clean_low_latency_buffer(8, 128)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The launcher from Python
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_launch_refuses_a_rank_count_or_timeout_that_is_not_a_number(tmp_path):
+    """Refused before any rank starts (the script would print if it ran)."""
+    script = tmp_path / "ran.py"
+    script.write_text("print('RAN')\n")
+    for kwargs, error, message in (
+        ({"n": "2"}, ArgumentTypeError, "n (the number of ranks) must be an int >= 1, got '2'"),
+        ({"n": 2.0}, ArgumentTypeError, "n (the number of ranks) must be an int >= 1, got 2.0"),
+        ({"n": 0}, ArgumentError, "n (the number of ranks) must be an int >= 1, got 0"),
+        ({"n": 1, "timeout": "30"}, ArgumentTypeError, "timeout must be a number of seconds or None, got '30'"),
+        ({"n": 1, "timeout": True}, ArgumentTypeError, "timeout must be a number of seconds or None, got True"),
+        ({"n": 1, "timeout": 0}, ArgumentError, "timeout must be > 0 seconds, got 0"),
+        ({"n": 1, "timeout": float("nan")}, ArgumentError, "timeout must be > 0 seconds, got nan"),
+    ):
+        n = kwargs.pop("n")
+        with pytest.raises(error) as e:
+            launch(n, [str(script)], **kwargs)
+        assert str(e.value) == message
