@@ -263,6 +263,7 @@ class Group:
         self._transport: _Transport | None = transport
         self._broken: str | None = None
         self._lock = threading.Lock()
+        self._on_close: list[Callable[[], None]] = []  # what layers above release with the group (NVSHMEM)
 
     def __repr__(self) -> str:
         return (
@@ -359,6 +360,23 @@ class Group:
         A rank that closes while others wait in another collective makes them raise CollectiveError. Closing
         itself does not raise when the other ranks are already gone.
         """
+        hooks, self._on_close = self._on_close, []
+        try:
+            for hook in hooks:
+                hook()
+        finally:
+            self._close_transport()
+
+    @property
+    def broken(self) -> str | None:
+        """Why a collective of this group failed (a peer gone, a timeout), or None while it works."""
+        return self._broken
+
+    def on_close(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` first thing when the group closes (every rank at once: closing is collective)."""
+        self._on_close.append(hook)
+
+    def _close_transport(self) -> None:
         global _current
         with self._lock:
             transport, self._transport = self._transport, None

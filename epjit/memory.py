@@ -43,6 +43,16 @@ WAIT_RECORD_DTYPE = np.dtype({
 
 _ALIGN = 256
 
+# What this process holds now, by kind: the soak script (scripts/soak_buffers.py) reads it to prove that closing
+# every Buffer gives everything back.
+_live: dict[str, int] = {"mapped_host_bytes": 0, "ipc_mappings": 0, "nvl_buffer_bytes": 0, "heap_bytes": 0}
+
+
+def live_resources() -> dict[str, int]:
+    """Pinned host bytes mapped for kernels, peer buffers mapped through CUDA IPC, this rank's own NVLink buffer
+    bytes and NVSHMEM heap bytes that epjit holds now, and whether NVSHMEM is initialised (1 or 0)."""
+    return {**_live, "nvshmem_initialised": int(_nvshmem_state["initialised"])}
+
 
 def _round_up(n: int, align: int = _ALIGN) -> int:
     return (n + align - 1) // align * align
@@ -69,6 +79,7 @@ class MappedHostArray:
         self.bytes = np.ctypeslib.as_array(buffer)
         self.bytes[:] = 0
         self.ints = self.bytes[: self.num_bytes // 4 * 4].view(np.int32)  # the usual reading, made once
+        _live["mapped_host_bytes"] += self.num_bytes
 
     def view(self, dtype: Any) -> np.ndarray:
         return self.bytes.view(dtype)
@@ -85,6 +96,7 @@ class MappedHostArray:
 
             cupy.cuda.runtime.freeHost(self._host)
             self._host = 0
+            _live["mapped_host_bytes"] -= self.num_bytes
 
 
 class MappedHostPart(MappedHostArray):
@@ -140,6 +152,7 @@ class NvlBuffer:
         self.total_bytes = NVL_HEADER_BYTES + _round_up(self.num_bytes)
         # Its own cudaMalloc, not a pool sub-allocation: an IPC handle maps a whole allocation.
         self.base = rt.malloc(self.total_bytes)
+        _live["nvl_buffer_bytes"] += self.total_bytes
         self.peer_ptrs: list[int] = []
         self._opened: list[int] = []
         try:
@@ -154,6 +167,7 @@ class NvlBuffer:
                     continue
                 ptr = rt.ipcOpenMemHandle(handles[first + nvl_rank], rt.cudaIpcMemLazyEnablePeerAccess)
                 self._opened.append(ptr)
+                _live["ipc_mappings"] += 1
                 self.peer_ptrs.append(ptr)
             # Nobody may write into a peer's header before that peer has cleared it.
             group.barrier()
@@ -167,10 +181,12 @@ class NvlBuffer:
         rt = cupy.cuda.runtime
         for ptr in self._opened:
             rt.ipcCloseMemHandle(ptr)
+            _live["ipc_mappings"] -= 1
         self._opened.clear()
         if self.base:
             rt.free(self.base)
             self.base = 0
+            _live["nvl_buffer_bytes"] -= self.total_bytes
 
     def close(self) -> None:
         """Collective: waits until no peer can still touch our memory, unmaps the peers', frees ours."""
@@ -183,7 +199,10 @@ class NvlBuffer:
         self._release()
 
 
-_nvshmem_state: dict[str, Any] = {"initialised": False, "users": 0}
+# NVSHMEM is initialised by the first heap of a group and finalised when that group closes, not when its last
+# heap does: an init/finalize pair costs ~1.7 s and keeps ~2 MiB of device memory that NVSHMEM never gives back
+# (measured on an H100), which a process making low-latency Buffers one after another would pay every time.
+_nvshmem_state: dict[str, Any] = {"initialised": False, "users": 0, "group": None, "heap_limit": 0}
 _before_finalize: list[Callable[[], None]] = []
 MIN_NVSHMEM = (3, 8)  # the host library must match the device library the kernels link, which needs 3.8
 
@@ -196,13 +215,21 @@ def before_nvshmem_finalize(hook: Callable[[], None]) -> None:
 
 
 def _nvshmem_init(group: Group, heap_bytes: int) -> None:
-    """Initialise NVSHMEM once per process: unique id from rank 0, broadcast over the group, uid bootstrap."""
-    if _nvshmem_state["initialised"]:
-        return
+    """Initialise NVSHMEM for ``group`` unless it already is: unique id from rank 0, broadcast over the group, uid
+    bootstrap. Every rank of the group makes the same decisions (a heap is made collectively)."""
+    state = _nvshmem_state
+    if state["initialised"]:
+        if state["group"] is not group:
+            raise SetupError(with_rank(f"NVSHMEM is initialised for another group ({state['group']!r}): close it "
+                                       "before making a Buffer with a symmetric heap on this one"))
+        if state["users"] or heap_bytes <= state["heap_limit"] or "NVSHMEM_SYMMETRIC_SIZE" in os.environ:
+            return  # (a heap that does not fit says so at nvshmem_malloc)
+        _nvshmem_finalize()  # no heap left and a larger one asked for: reserve again, larger
     # NVLink multicast (NVLS) objects can take a shared host's GPUs down; epjit never needs them.
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     # The symmetric heap is reserved at init: make it large enough for what is asked, unless the user chose.
-    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, _round_up(heap_bytes, 1 << 29) + (1 << 29))))
+    size = os.environ.get("NVSHMEM_SYMMETRIC_SIZE")
+    chosen = max(1 << 30, _round_up(heap_bytes, 1 << 29) + (1 << 29))
     try:
         import nvshmem.core as nvshmem_core
         from cuda.core import Device
@@ -220,11 +247,25 @@ def _nvshmem_init(group: Group, heap_bytes: int) -> None:
     uid_bytes[:] = np.frombuffer(raw, dtype=np.uint8)
     device = Device(group.device)
     device.set_current()
-    nvshmem_core.init(device=device, uid=uid, rank=group.rank, nranks=group.size, initializer_method="uid")
+    if size is None:
+        os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(chosen)  # read by init; taken out again below
+    try:
+        nvshmem_core.init(device=device, uid=uid, rank=group.rank, nranks=group.size, initializer_method="uid")
+    finally:
+        if size is None:
+            del os.environ["NVSHMEM_SYMMETRIC_SIZE"]
     if nvshmem_bindings.my_pe() != group.rank or nvshmem_bindings.n_pes() != group.size:
         raise SetupError(with_rank(f"NVSHMEM says PE {nvshmem_bindings.my_pe()} of {nvshmem_bindings.n_pes()}, "
                                    f"the group says rank {group.rank} of {group.size}"))
-    _nvshmem_state["initialised"] = True
+    state.update(initialised=True, group=group, heap_limit=chosen if size is None else int(size))
+    group.on_close(lambda: _finalize_with(group))
+
+
+def _finalize_with(group: Group) -> None:
+    """The group that initialised NVSHMEM is closing: finalise it, unless heaps are still open (a Buffer not
+    closed) or a collective of the group failed (a peer gone would never reach finalize's barrier)."""
+    if _nvshmem_state["group"] is group and group.broken is None:
+        _nvshmem_finalize()
 
 
 def _nvshmem_finalize() -> None:
@@ -235,7 +276,7 @@ def _nvshmem_finalize() -> None:
     for hook in _before_finalize:  # modules must be cumodule-finalised before NVSHMEM goes
         hook()
     nvshmem_core.finalize()
-    _nvshmem_state["initialised"] = False
+    _nvshmem_state.update(initialised=False, group=None, heap_limit=0)
 
 
 class SymmetricHeap:
@@ -249,13 +290,14 @@ class SymmetricHeap:
         _nvshmem_init(group, self.num_bytes)
         from nvshmem import bindings as nvshmem_bindings
 
-        _nvshmem_state["users"] += 1
         self.base = 0
         try:
             self.base = int(nvshmem_bindings.malloc(self.num_bytes))  # collective
             if self.base == 0:
                 raise SetupError(with_rank(f"nvshmem_malloc({self.num_bytes}) returned NULL: raise "
                                            "NVSHMEM_SYMMETRIC_SIZE or ask for fewer num_rdma_bytes"))
+            _nvshmem_state["users"] += 1
+            _live["heap_bytes"] += self.num_bytes
             cupy.cuda.runtime.memset(self.base, 0, self.num_bytes)
             cupy.cuda.runtime.deviceSynchronize()
             # nvshmem_ptr gives a load/store pointer where the PE is reachable over NVLink (P2P), else NULL.
@@ -270,7 +312,7 @@ class SymmetricHeap:
         return all(p != 0 for p in self.peer_ptrs)
 
     def close(self) -> None:
-        """Collective: frees the allocation; the last heap of the process finalises NVSHMEM."""
+        """Collective: frees the allocation (NVSHMEM stays initialised until the group closes)."""
         if not _nvshmem_state["initialised"]:
             return
         import cupy
@@ -280,8 +322,8 @@ class SymmetricHeap:
         if self.base:
             nvshmem_bindings.free(self.base)  # collective
             self.base = 0
+            _live["heap_bytes"] -= self.num_bytes
             _nvshmem_state["users"] -= 1
-        _nvshmem_finalize()
 
 
 @dataclass

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# compute-sanitizer over small cases of every kernel family, on one GPU:
+#   bash scripts/sanitize.sh [tool ...]              (default: memcheck racecheck synccheck initcheck)
+#   SANITIZE_CASES="buffers" bash scripts/sanitize.sh memcheck racecheck   (some cases only; the GPU tier's run)
+# Cases, one rank (a rank dispatches to and combines from itself: every kernel runs, with no peer process whose
+# kernels the sanitizer would have to run beside this one's; SANITIZE_RANKS=2 runs them on 2 ranks through
+# epjit.launch, which needs the GPUs to run both ranks' instrumented kernels at once):
+#   buffers      scripts/soak_buffers.py, two cycles a kind: the layout kernel, intranode notify, dispatch and
+#                combine, low-latency dispatch and combine, in bf16 and in FP8 (NVLink stores)
+#   ll-puts      the low-latency cycles again through NVSHMEM puts (EPJIT_LL_FORCE_PUTS=1)
+#   peer-memory  tests/ranks/peer_memory.py: the NVLink barrier and exchange, NVSHMEM put + signal
+# Prints a line per tool and case: the errors compute-sanitizer reported in kernels (summed over the ranks; CUDA
+# API calls that fail on purpose, such as cuda-python probing for driver entry points, are not reported) and the
+# exit code; logs under $OUT. Exits 1 when a case reported errors or failed. Instrumented spin-waits are slow, so
+# EPJIT_TIMEOUT_S defaults to 300 here. Needs compute-sanitizer (CUDA toolkit) on PATH.
+set -uo pipefail
+OUT=${OUT:-/tmp/epjit-out}
+mkdir -p "$OUT"
+tools=("$@")
+[ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck synccheck initcheck)
+export EPJIT_TIMEOUT_S=${EPJIT_TIMEOUT_S:-300} PYTHONUNBUFFERED=1
+ranks=${SANITIZE_RANKS:-1}
+runner=(python3)
+if [ "$ranks" -gt 1 ]; then
+  runner=(python3 -m epjit.launch -n "$ranks")
+  [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge "$ranks" ] || export EPJIT_SHARE_GPUS=1
+fi
+declare -A CASES=(
+  [buffers]="scripts/soak_buffers.py --cycles 2 --warmup 0"
+  [ll-puts]="scripts/soak_buffers.py --kinds low_latency --cycles 2 --warmup 0"
+  [peer-memory]="tests/ranks/peer_memory.py --rounds 2"
+)
+names=${SANITIZE_CASES:-buffers ll-puts peer-memory}
+# Compile every module first, outside the sanitizer: what it checks is the kernels, not NVRTC.
+python3 -m epjit.jit --check > "$OUT/sanitize-jit.log" 2>&1 || { echo "jit --check failed"; exit 1; }
+failed=0
+printf "%-11s %-12s %7s %5s %7s\n" tool case errors rc seconds
+for tool in "${tools[@]}"; do
+  for name in $names; do
+    log="$OUT/sanitize-$tool-$name.log"
+    settings=()
+    [ "$name" = ll-puts ] && settings=(EPJIT_LL_FORCE_PUTS=1)
+    start=$(date +%s)
+    # shellcheck disable=SC2086  # the case's arguments split on purpose
+    env "${settings[@]}" compute-sanitizer --tool "$tool" --target-processes all --print-limit 20 \
+      --report-api-errors no "${runner[@]}" ${CASES[$name]} > "$log" 2>&1
+    rc=$?
+    errors=$(grep -ho "ERROR SUMMARY: [0-9]*" "$log" | awk '{s += $3} END {print s + 0}')
+    printf "%-11s %-12s %7s %5s %7s\n" "$tool" "$name" "$errors" "$rc" "$(( $(date +%s) - start ))"
+    [ "$errors" -eq 0 ] && [ "$rc" -eq 0 ] || failed=1
+  done
+done
+exit $failed

@@ -1,0 +1,175 @@
+"""Leak soak: create a Buffer, use it once, close it, many times over, for each kind of Buffer, and report what the
+process holds before and after. Everything must come back: a server that makes a Buffer per request batch, or a
+training job that remakes them when the parallel layout changes, would otherwise run out.
+
+    python -m epjit.launch -n 2 scripts/soak_buffers.py [--cycles 1000] [--warmup 20] [--kinds normal,low_latency]
+                                                          [--json FILE] [--check]
+
+For each kind, after ``--warmup`` cycles (first loads, CUDA's lazy allocations, allocator pools growing to their
+working size), it reads on every rank: the GPU's free memory (after emptying torch's and CuPy's caches), epjit's
+pinned host memory, peer mappings through CUDA IPC, NVLink buffer and NVSHMEM heap bytes
+(``epjit.memory.live_resources``), the process's open file descriptors, threads and memory mappings, and its
+resident memory; then runs ``--cycles`` more and reads them again. Prints a table of the changes (rank 0), and
+with ``--check`` exits 1 when any of them but resident memory changed (resident memory moves with Python's own
+allocator; it is reported, not judged).
+
+Kinds: ``normal`` (get_dispatch_layout, dispatch, combine on a normal-mode Buffer) and ``low_latency``
+(low_latency_dispatch and low_latency_combine), 128 tokens x 2048, top-4 of 32 experts with 10% holes, torch
+tensors, bf16 on even cycles and FP8 on odd ones: two cycles run every kernel of both families (what
+scripts/sanitize.sh runs under compute-sanitizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import cupy
+import torch
+
+import epjit
+from epjit.memory import live_resources
+
+TOKENS, HIDDEN, TOPK, EXPERTS = 128, 2048, 4, 32
+JUDGED = ("gpu_free_bytes", "mapped_host_bytes", "ipc_mappings", "nvl_buffer_bytes", "heap_bytes",
+          "nvshmem_initialised", "open_fds", "threads", "memory_maps")
+
+
+def _count(path: str) -> int:
+    try:
+        return len(os.listdir(path))
+    except OSError:
+        return -1
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return -1
+
+
+def _resident_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return -1
+
+
+def snapshot(group: epjit.Group) -> dict[str, int]:
+    """What this rank holds now, every rank at the same point (the GPU may be shared by several ranks)."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    cupy.get_default_memory_pool().free_all_blocks()
+    cupy.get_default_pinned_memory_pool().free_all_blocks()
+    group.barrier()
+    found = {"gpu_free_bytes": int(cupy.cuda.runtime.memGetInfo()[0]), **live_resources(),
+             "open_fds": _count("/proc/self/fd"), "threads": _count("/proc/self/task"),
+             "memory_maps": _memory_maps(), "resident_bytes": _resident_bytes()}
+    group.barrier()
+    return found
+
+
+def _inputs(group: epjit.Group, cycle: int) -> tuple[Any, Any, Any]:
+    g = torch.Generator(device="cuda").manual_seed(1000 * cycle + group.rank)
+    idx = torch.rand(TOKENS, EXPERTS, device="cuda", generator=g).topk(TOPK, dim=1).indices
+    idx[torch.rand(TOKENS, TOPK, device="cuda", generator=g) < 0.1] = -1  # holes
+    w = torch.rand(TOKENS, TOPK, device="cuda", generator=g)
+    x = torch.randn(TOKENS, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+    return x, idx, w
+
+
+def normal_cycle(group: epjit.Group, cycle: int) -> None:
+    """Layout, dispatch (bf16 on even cycles, FP8 with scales on odd ones), combine with weights."""
+    x, idx, w = _inputs(group, cycle)
+    if cycle % 2:
+        blocks = x.float().view(TOKENS, HIDDEN // 128, 128)
+        scales = blocks.abs().amax(dim=2).clamp(min=1e-4) / 448.0
+        x = ((blocks / scales[:, :, None]).view(TOKENS, HIDDEN).to(torch.float8_e4m3fn), scales)
+    hint = epjit.Buffer.get_normal_size_hint(group.size, HIDDEN, TOPK, EXPERTS)
+    with epjit.Buffer(group, num_nvl_bytes=hint) as buf:
+        layout = buf.get_dispatch_layout(idx, EXPERTS)
+        d = buf.dispatch(x, topk_idx=idx, topk_weights=w, layout=layout)
+        y = d.x if not cycle % 2 else torch.ones(d.x.shape, dtype=torch.bfloat16, device="cuda")
+        buf.combine(y, d.handle, topk_weights=d.topk_weights)
+        torch.cuda.synchronize()
+
+
+def low_latency_cycle(group: epjit.Group, cycle: int) -> None:
+    """Low-latency dispatch (bf16 on even cycles, FP8 on odd ones) and combine."""
+    x, idx, w = _inputs(group, cycle)
+    hint = epjit.Buffer.get_low_latency_size_hint(TOKENS, HIDDEN, group.size, EXPERTS)
+    with epjit.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, num_max_dispatch_tokens_per_rank=TOKENS,
+                      hidden=HIDDEN, num_experts=EXPERTS) as buf:
+        d = buf.low_latency_dispatch(x, idx, TOKENS, EXPERTS, use_fp8=bool(cycle % 2))
+        y = d.x if not cycle % 2 else torch.ones(d.x.shape, dtype=torch.bfloat16, device="cuda")
+        buf.low_latency_combine(y, idx, w, d.handle)
+        torch.cuda.synchronize()
+
+
+KINDS: dict[str, Callable[[epjit.Group, int], None]] = {"normal": normal_cycle, "low_latency": low_latency_cycle}
+
+
+def soak(group: epjit.Group, kind: str, cycles: int, warmup: int) -> dict[str, Any]:
+    run = KINDS[kind]
+    for cycle in range(warmup):
+        run(group, cycle)
+    before = snapshot(group)
+    start = time.perf_counter()
+    for cycle in range(warmup, warmup + cycles):
+        run(group, cycle)
+    seconds = time.perf_counter() - start
+    after = snapshot(group)
+    return {"kind": kind, "rank": group.rank, "cycles": cycles, "ms_per_cycle": round(1e3 * seconds / cycles, 2),
+            "before": before, "change": {name: after[name] - before[name] for name in before}}
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    names = [*JUDGED, "resident_bytes"]
+    lines = [f"{'kind':<12}{'rank':>5}{'cycles':>7}{'ms/cycle':>9}  " + " ".join(f"{n:>19}" for n in names)]
+    for r in results:
+        lines.append(f"{r['kind']:<12}{r['rank']:>5}{r['cycles']:>7}{r['ms_per_cycle']:>9}  "
+                     + " ".join(f"{r['change'][n]:>19}" for n in names))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cycles", type=int, default=1000)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--json", help="write every rank's figures here (rank 0)")
+    parser.add_argument("--check", action="store_true", help="exit 1 when anything judged did not come back")
+    args = parser.parse_args()
+    kinds = args.kinds.split(",")
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        parser.error(f"unknown kinds {unknown}; known: {', '.join(KINDS)}")
+    group = epjit.init()
+    torch.cuda.set_device(group.device)
+    results: list[dict[str, Any]] = []
+    for kind in kinds:
+        results += group.allgather_object(soak(group, kind, args.cycles, args.warmup))
+    leaks = [f"{r['kind']} rank {r['rank']}: {n} {r['change'][n]:+d}" for r in results for n in JUDGED
+             if r["change"][n] != 0]
+    if group.rank == 0:
+        print(_table(results), flush=True)
+        print("RESULT " + json.dumps({"rank": 0, "leaks": leaks, "results": results}), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+    group.close()
+    return 1 if args.check and leaks else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

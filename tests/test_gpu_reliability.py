@@ -1,0 +1,37 @@
+"""GPU tier of reliability: Buffers made and closed over and over give back everything they took, and the kernels
+of every family run clean under compute-sanitizer's memcheck and racecheck (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from .gpu import ROOT, require_gpus, run_ranks, two_ranks
+
+pytestmark = pytest.mark.gpu
+
+
+def test_buffers_made_and_closed_leak_nothing():
+    """100 normal and 100 low-latency Buffers after 10 of each: GPU memory, pinned host memory, IPC mappings, the
+    NVSHMEM heap, file descriptors, threads and memory maps all where they were."""
+    code, output, results = run_ranks("launch", 2, "scripts/soak_buffers.py", "--cycles", "100", "--warmup", "10",
+                                      "--check", env=two_ranks(), timeout=300)
+    assert code == 0, output[-6000:]
+    assert results and results[0]["leaks"] == [], output[-6000:]
+    kinds = {r["kind"] for r in results[0]["results"]}
+    assert kinds == {"normal", "low_latency"}, kinds
+    print(output[-3000:])
+
+
+def test_kernels_clean_under_memcheck_and_racecheck():
+    require_gpus(1)
+    if shutil.which("compute-sanitizer") is None:
+        pytest.skip("compute-sanitizer is not on PATH (it comes with the CUDA toolkit)")
+    env = {**os.environ, "SANITIZE_CASES": "buffers"}
+    proc = subprocess.run(["bash", "scripts/sanitize.sh", "memcheck", "racecheck"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    print(proc.stdout)
