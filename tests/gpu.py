@@ -73,9 +73,10 @@ def mpirun() -> str | None:
     return shutil.which("mpirun") or shutil.which("mpiexec")
 
 
-def run_ranks(launcher: str, n: int, script: str, *args: str, env: dict[str, str] | None = None,
-              timeout: float = 240) -> tuple[int, str, list[dict]]:
-    """Run ``script`` on ``n`` ranks; returns (exit code, combined output, the RESULT dicts)."""
+def rank_command(launcher: str, n: int, script: str, *args: str, env: dict[str, str] | None = None,
+                 timeout: float = 240) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that run ``script`` on ``n`` ranks under ``launcher`` ("launch": epjit.launch
+    with ``--timeout``, or "mpirun"); skips the test where there is no mpirun."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), full_env.get("PYTHONPATH", "")) if p)
     if launcher == "launch":
@@ -85,16 +86,26 @@ def run_ranks(launcher: str, n: int, script: str, *args: str, env: dict[str, str
         if runner is None:
             pytest.skip("no mpirun on PATH")
         cmd = [runner, "-np", str(n)]
-        if os.geteuid() == 0 and "mpich" not in (subprocess.run([runner, "--version"], capture_output=True,
-                                                                text=True).stdout.lower()):
-            cmd.append("--allow-run-as-root")
-        for var in ("PYTHONPATH", "PYTHONUNBUFFERED", "NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE", "EPJIT_TIMEOUT_S",
-                    "EPJIT_CACHE_DIR", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "EPJIT_SHARE_GPUS"):
-            if var in full_env and "mpich" not in cmd[0]:
-                cmd += ["-x", var]
+        version = subprocess.run([runner, "--version"], capture_output=True, text=True)
+        # Open MPI passes only the variables -x names, and refuses root without being told; MPICH's Hydra passes
+        # the whole environment and knows neither option.
+        if "open mpi" in (version.stdout + version.stderr).lower():
+            if os.geteuid() == 0:
+                cmd.append("--allow-run-as-root")
+            for var in ("PYTHONPATH", "PYTHONUNBUFFERED", "NVSHMEM_DISABLE_NVLS", "NCCL_NVLS_ENABLE",
+                        "EPJIT_TIMEOUT_S", "EPJIT_CACHE_DIR", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "EPJIT_SHARE_GPUS"):
+                if var in full_env:
+                    cmd += ["-x", var]
         cmd += [sys.executable, script, *args]
     else:
         raise ValueError(launcher)
+    return cmd, full_env
+
+
+def run_ranks(launcher: str, n: int, script: str, *args: str, env: dict[str, str] | None = None,
+              timeout: float = 240) -> tuple[int, str, list[dict]]:
+    """Run ``script`` on ``n`` ranks; returns (exit code, combined output, the RESULT dicts)."""
+    cmd, full_env = rank_command(launcher, n, script, *args, env=env, timeout=timeout)
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout + 60)
     output = proc.stdout + proc.stderr
     results = []
