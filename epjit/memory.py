@@ -300,8 +300,12 @@ class SymmetricHeap:
             _live["heap_bytes"] += self.num_bytes
             cupy.cuda.runtime.memset(self.base, 0, self.num_bytes)
             cupy.cuda.runtime.deviceSynchronize()
-            # nvshmem_ptr gives a load/store pointer where the PE is reachable over NVLink (P2P), else NULL.
-            self.peer_ptrs = [int(nvshmem_bindings.ptr(self.base, pe)) for pe in range(group.size)]
+            # nvshmem_ptr gives a load/store pointer where the PE is reachable over NVLink (P2P), else NULL. A PE
+            # of another NVLink node (num_nvl_ranks) gets none even where NVSHMEM would give one (virtual nodes on
+            # one host): the kernels then reach it through NVSHMEM puts, the path a cluster's other nodes take.
+            node = group.nvl_node
+            self.peer_ptrs = [int(nvshmem_bindings.ptr(self.base, pe)) if pe // group.num_nvl_ranks == node else 0
+                              for pe in range(group.size)]
             nvshmem_bindings.barrier_all()
         except BaseException:
             self.close()

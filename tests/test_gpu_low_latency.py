@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from .gpu import RANKS, placement, quick, run_ranks, two_ranks
+from .gpu import RANKS, gpu_count, placement, quick, require_gpus, run_ranks, two_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -56,6 +56,23 @@ def test_low_latency_through_nvshmem_puts():
     assert code == 0, output[-8000:]
     _check(results, 2)
     assert all(r["force_puts"] == "1" and r["build"] == "low_latency_puts" for r in results), results
+
+
+def test_low_latency_across_virtual_nodes():
+    """4 ranks as 2 nodes x 2 (num_nvl_ranks=2): a rank reaches its node's other rank through NVLink stores and the
+    other node's two through NVSHMEM puts, the mix a cluster runs, on one host (sharing GPUs where there are fewer
+    than 4)."""
+    require_gpus(1)
+    env = placement(4, gpu_count() < 4)
+    pytest.importorskip("torch")
+    code, output, results = run_ranks("launch", 4, "tests/ranks/low_latency.py", "--quick", "--num-nvl-ranks", "2",
+                                      env={"EPJIT_TIMEOUT_S": "60", **env}, timeout=600)
+    assert code == 0, output[-8000:]
+    _check(results, 4)
+    for r in results:
+        assert r["num_nvl_ranks"] == 2 and r["build"] == "low_latency_puts", r
+        node = r["rank"] // 2
+        assert r["nvlink_peers"] == [2 * node, 2 * node + 1], r  # itself and its node's other rank, no one else
 
 
 def test_a_rank_that_stops_sending_times_out_naming_it():

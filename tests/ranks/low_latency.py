@@ -344,8 +344,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--loops", type=int, default=1000)
+    parser.add_argument("--num-nvl-ranks", type=int, default=None, help="ranks a node (default: the host's)")
     args = parser.parse_args()
-    group = epjit.init()
+    group = epjit.init(num_nvl_ranks=args.num_nvl_ranks)
     torch.cuda.set_device(group.device)
     R, rank = group.size, group.rank
     started = time.perf_counter()
@@ -353,7 +354,9 @@ def main() -> int:
     bufs = [epjit.Buffer(group, low_latency_mode=True, num_max_dispatch_tokens_per_rank=m, hidden=h, num_experts=e)
             for m, h, e in configs]
     result: dict = {"rank": rank, "cases": 0, "force_puts": os.environ.get("EPJIT_LL_FORCE_PUTS", "0"),
-                    "bytes": [b.num_rdma_bytes for b in bufs], "build": bufs[0]._ll.module.spec.family}
+                    "bytes": [b.num_rdma_bytes for b in bufs], "build": bufs[0]._ll.module.spec.family,
+                    "num_nvl_ranks": group.num_nvl_ranks,
+                    "nvlink_peers": [pe for pe, ptr in enumerate(bufs[0].mem.sym.peer_ptrs) if ptr]}
     big, mid, small = bufs
     cases = [
         # (buffer, counts, topk, holes, fp8, round, ue8m0, hook, repeats, small)
