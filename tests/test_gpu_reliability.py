@@ -32,6 +32,6 @@ def test_kernels_clean_under_memcheck_and_racecheck():
         pytest.skip("compute-sanitizer is not on PATH (it comes with the CUDA toolkit)")
     env = {**os.environ, "SANITIZE_CASES": "buffers"}
     proc = subprocess.run(["bash", "scripts/sanitize.sh", "memcheck", "racecheck"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     print(proc.stdout)
