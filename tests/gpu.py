@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -102,12 +103,61 @@ def rank_command(launcher: str, n: int, script: str, *args: str, env: dict[str, 
     return cmd, full_env
 
 
+_RANK_PREFIX = re.compile(r"^(\[rank \d+\] )?(.*)$")
+_DEALLOC_NOISE = "Exception ignored in: 'cupy.cuda.function.Module.__dealloc__'"
+
+
+def without_unload_noise(output: str) -> str:
+    """``output`` without the tracebacks CuPy prints for every module it fails to unload once a kernel has lost the
+    CUDA context (a timeout trap): dozens a rank, they push the first error out of an assertion's tail. Followed rank
+    by rank (the launcher's ``[rank i]`` prefix), since the ranks' lines interleave."""
+    kept: list[tuple[int, str]] = []
+    open_blocks: dict[str, list[tuple[int, str]]] = {}  # per rank prefix: the traceback being read
+    dropped = 0
+    for i, line in enumerate(output.splitlines()):
+        prefix, body = _RANK_PREFIX.match(line).groups()
+        block = open_blocks.get(prefix or "")
+        if block is not None:
+            block.append((i, line))
+            if body.startswith(" "):
+                continue  # a frame of the traceback
+            frames = [b for _, b in block[1:-1] if b.strip()]
+            if body.startswith("cupy_backends.cuda.api.driver.CUDADriverError") and all("driver.pyx" in f
+                                                                                        for f in frames):
+                dropped += 1
+            else:
+                kept += block
+            del open_blocks[prefix or ""]
+        elif body.startswith("Traceback (most recent call last):"):
+            open_blocks[prefix or ""] = [(i, line)]
+        elif body != _DEALLOC_NOISE:
+            kept.append((i, line))
+    for block in open_blocks.values():
+        kept += block
+    note = [f"({dropped} CuPy module-unload tracebacks after a lost CUDA context left out)"] if dropped else []
+    return "\n".join([line for _, line in sorted(kept)] + note)
+
+
+def _save_log(script: str, n: int, launcher: str, output: str) -> None:
+    """The whole output of a run, under $OUT/ranks/ where $OUT is set (what a GPU machine's runner brings back)."""
+    folder = os.environ.get("OUT")
+    if not folder:
+        return
+    path = Path(folder) / "ranks"
+    path.mkdir(parents=True, exist_ok=True)
+    stem = f"{Path(script).stem}-{n}-{launcher}"
+    index = sum(1 for _ in path.glob(f"{stem}-*.log"))
+    (path / f"{stem}-{index}.log").write_text(output)
+
+
 def run_ranks(launcher: str, n: int, script: str, *args: str, env: dict[str, str] | None = None,
               timeout: float = 240) -> tuple[int, str, list[dict]]:
-    """Run ``script`` on ``n`` ranks; returns (exit code, combined output, the RESULT dicts)."""
+    """Run ``script`` on ``n`` ranks; returns (exit code, combined output without CuPy's unload noise, the RESULT
+    dicts). The whole output is also saved under $OUT/ranks/ where $OUT is set."""
     cmd, full_env = rank_command(launcher, n, script, *args, env=env, timeout=timeout)
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout + 60)
-    output = proc.stdout + proc.stderr
+    _save_log(script, n, launcher, proc.stdout + proc.stderr)
+    output = without_unload_noise(proc.stdout + proc.stderr)
     results = []
     for line in proc.stdout.splitlines():
         if "RESULT " in line:
