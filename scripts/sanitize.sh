@@ -11,7 +11,8 @@
 #   peer-memory  tests/ranks/peer_memory.py: the NVLink barrier and exchange, NVSHMEM put + signal
 # Prints a line per tool and case: the errors compute-sanitizer reported in kernels (summed over the ranks; CUDA
 # API calls that fail on purpose, such as cuda-python probing for driver entry points, are not reported) and the
-# exit code; logs under $OUT. Exits 1 when a case reported errors or failed. Instrumented spin-waits are slow, so
+# exit code; logs under $OUT, where the soak's --progress lines show how far an instrumented run got. Exits 1 when a
+# case reported errors or failed. Instrumented spin-waits are slow, so
 # EPJIT_TIMEOUT_S defaults to 300 here. Needs compute-sanitizer (CUDA toolkit) on PATH.
 set -uo pipefail
 OUT=${OUT:-/tmp/epjit-out}
@@ -26,8 +27,8 @@ if [ "$ranks" -gt 1 ]; then
   [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge "$ranks" ] || export EPJIT_SHARE_GPUS=1
 fi
 declare -A CASES=(
-  [buffers]="scripts/soak_buffers.py --cycles 2 --warmup 0"
-  [ll-puts]="scripts/soak_buffers.py --kinds low_latency --cycles 2 --warmup 0"
+  [buffers]="scripts/soak_buffers.py --cycles 2 --warmup 0 --progress"
+  [ll-puts]="scripts/soak_buffers.py --kinds low_latency --cycles 2 --warmup 0 --progress"
   [peer-memory]="tests/ranks/peer_memory.py --rounds 2"
 )
 names=${SANITIZE_CASES:-buffers ll-puts peer-memory}

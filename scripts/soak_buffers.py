@@ -37,6 +37,12 @@ import epjit
 from epjit.memory import live_resources
 
 TOKENS, HIDDEN, TOPK, EXPERTS = 128, 2048, 4, 32
+PROGRESS = {"on": False, "start": time.perf_counter()}  # --progress: each step printed as it ends (a slow tool's log)
+
+
+def step(what: str) -> None:
+    if PROGRESS["on"]:
+        print(f"[{time.perf_counter() - PROGRESS['start']:8.1f} s] {what}", flush=True)
 JUDGED = ("gpu_free_bytes", "mapped_host_bytes", "ipc_mappings", "nvl_buffer_bytes", "heap_bytes",
           "nvshmem_initialised", "open_fds", "threads", "memory_maps")
 
@@ -97,11 +103,14 @@ def normal_cycle(group: epjit.Group, cycle: int) -> None:
         x = ((blocks / scales[:, :, None]).view(TOKENS, HIDDEN).to(torch.float8_e4m3fn), scales)
     hint = epjit.Buffer.get_normal_size_hint(group.size, HIDDEN, TOPK, EXPERTS)
     with epjit.Buffer(group, num_nvl_bytes=hint) as buf:
+        step(f"normal {cycle}: Buffer made")
         layout = buf.get_dispatch_layout(idx, EXPERTS)
         d = buf.dispatch(x, topk_idx=idx, topk_weights=w, layout=layout)
+        step(f"normal {cycle}: dispatched")
         y = d.x if not cycle % 2 else torch.ones(d.x.shape, dtype=torch.bfloat16, device="cuda")
         buf.combine(y, d.handle, topk_weights=d.topk_weights)
         torch.cuda.synchronize()
+        step(f"normal {cycle}: combined")
 
 
 def low_latency_cycle(group: epjit.Group, cycle: int) -> None:
@@ -110,10 +119,14 @@ def low_latency_cycle(group: epjit.Group, cycle: int) -> None:
     hint = epjit.Buffer.get_low_latency_size_hint(TOKENS, HIDDEN, group.size, EXPERTS)
     with epjit.Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, num_max_dispatch_tokens_per_rank=TOKENS,
                       hidden=HIDDEN, num_experts=EXPERTS) as buf:
+        step(f"low_latency {cycle}: Buffer made")
         d = buf.low_latency_dispatch(x, idx, TOKENS, EXPERTS, use_fp8=bool(cycle % 2))
+        torch.cuda.synchronize()
+        step(f"low_latency {cycle}: dispatched")
         y = d.x if not cycle % 2 else torch.ones(d.x.shape, dtype=torch.bfloat16, device="cuda")
         buf.low_latency_combine(y, idx, w, d.handle)
         torch.cuda.synchronize()
+        step(f"low_latency {cycle}: combined")
 
 
 KINDS: dict[str, Callable[[epjit.Group, int], None]] = {"normal": normal_cycle, "low_latency": low_latency_cycle}
@@ -149,7 +162,9 @@ def main() -> int:
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--json", help="write every rank's figures here (rank 0)")
     parser.add_argument("--check", action="store_true", help="exit 1 when anything judged did not come back")
+    parser.add_argument("--progress", action="store_true", help="print each step as it ends, with the time")
     args = parser.parse_args()
+    PROGRESS["on"] = args.progress
     kinds = args.kinds.split(",")
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:
