@@ -220,8 +220,9 @@ def _nvshmem_init(group: Group, heap_bytes: int) -> None:
     state = _nvshmem_state
     if state["initialised"]:
         if state["group"] is not group:
-            raise SetupError(with_rank(f"NVSHMEM is initialised for another group ({state['group']!r}): close it "
-                                       "before making a Buffer with a symmetric heap on this one"))
+            raise SetupError(with_rank(f"NVSHMEM is initialised for another group ({state['group']!r}): close "
+                                       "that group's Buffers, then the group, before making a Buffer with a "
+                                       "symmetric heap on this one"))
         if state["users"] or heap_bytes <= state["heap_limit"] or "NVSHMEM_SYMMETRIC_SIZE" in os.environ:
             return  # (a heap that does not fit says so at nvshmem_malloc)
         _nvshmem_finalize()  # no heap left and a larger one asked for: reserve again, larger
@@ -257,7 +258,8 @@ def _nvshmem_init(group: Group, heap_bytes: int) -> None:
     if nvshmem_bindings.my_pe() != group.rank or nvshmem_bindings.n_pes() != group.size:
         raise SetupError(with_rank(f"NVSHMEM says PE {nvshmem_bindings.my_pe()} of {nvshmem_bindings.n_pes()}, "
                                    f"the group says rank {group.rank} of {group.size}"))
-    state.update(initialised=True, group=group, heap_limit=chosen if size is None else int(size))
+    # A size the user chose (NVSHMEM's own syntax, "2G" say) is never re-reserved: only epjit's own is compared.
+    state.update(initialised=True, group=group, heap_limit=chosen if size is None else 0)
     group.on_close(lambda: _finalize_with(group))
 
 
