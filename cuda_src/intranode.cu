@@ -324,6 +324,13 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
         host_out[2 + kMetaInts * kNumRanks + t] = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + t];
     }
     __syncthreads();
+    // A refused call's dispatch ends at once, so a faster peer can start its next notify, and write that call's
+    // counts and meta into this buffer, while this rank still reads this call's: the rank could then decide
+    // differently from its peers (see the retry after kStatusOverCapacity) and never run the call they wait for.
+    // So on refusal every rank waits here until all are past their reads (every rank computes the same status from
+    // the same counts and meta). An accepted call needs no wait: a peer's next notify comes after this rank's
+    // dispatch, which exchanges with it.
+    if (status != 0) nvl_barrier_block<kNumRanks>(peers, "intranode_notify: peers past a refused call's reads");
     if (t == 0) {
         *call_status = status;
         if (report) {
