@@ -11,7 +11,7 @@ UNLOAD = """[rank {r}] Traceback (most recent call last):
 [rank {r}] Exception ignored in: 'cupy.cuda.function.Module.__dealloc__'"""
 
 FIRST_ERROR = """[rank 5] Traceback (most recent call last):
-[rank 5]   File "/work/tests/ranks/intranode.py", line 360, in main
+[rank 5]   File "/repo/tests/ranks/intranode.py", line 360, in main
 [rank 5]     d = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=64)
 [rank 5] epjit.errors.EpjitTimeoutError: rank 5 timed out after 60.6 s in intranode_notify"""
 
@@ -29,7 +29,7 @@ def test_unload_noise_goes_and_the_real_error_stays_even_interleaved():
 
 def test_a_driver_error_raised_by_epjit_code_is_kept():
     text = """Traceback (most recent call last):
-  File "/work/epjit/buffer.py", line 210, in synchronize
+  File "/repo/epjit/buffer.py", line 210, in synchronize
   File "cupy_backends/cuda/api/driver.pyx", line 73, in cupy_backends.cuda.api.driver.check_status
 cupy_backends.cuda.api.driver.CUDADriverError: CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure"""
     assert without_unload_noise(text) == text
