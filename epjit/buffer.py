@@ -19,7 +19,7 @@ from typing import Any
 
 from . import arrays
 from .arrays import address, fingerprint
-from .config import MAX_CHANNELS, Config, get_combine_config, get_dispatch_config, normal_size_hint
+from .config import MAX_CHANNELS, Config, config_key, get_combine_config, get_dispatch_config, normal_size_hint
 from .env import settings
 from .errors import ArgumentError, ArgumentTypeError, EpjitError, SetupError, check_flag, check_int, with_rank
 from .group import Group
@@ -278,7 +278,7 @@ class Buffer:
             idx_arg = arrays.kernel_arg(topk_idx, info, "topk_idx")
         else:
             idx_arg = address(topk_idx)
-        return self._layout.run(plan, topk_idx, idx_arg, previous_event, bool(async_finish))
+        return self._layout.run(plan, topk_idx, idx_arg, previous_event, check_flag(async_finish, "async_finish"))
 
     def _layout_inputs(self, layout: DispatchLayout, num_tokens: int) -> tuple[LayoutInputs, int]:
         """A layout's kernel arguments and its number of experts: taken as made if get_dispatch_layout made it for
@@ -321,6 +321,7 @@ class Buffer:
         """
         normal = self._normal()
         normal.check_pending(self._caller_capturing)
+        async_finish = check_flag(async_finish, "async_finish")  # before the layout kernel a call may run
         # Numbers enter the plan key as ints: 8.0 or True would find the plan of 8 or 1 and skip every check.
         if type(num_worst_tokens) is not int or type(expert_alignment) is not int:
             num_worst_tokens = check_int(num_worst_tokens, "num_worst_tokens")
@@ -344,7 +345,7 @@ class Buffer:
         else:
             raise ArgumentError(with_rank("dispatch needs layout=get_dispatch_layout(...), or topk_idx, or a handle"))
         key = ("dispatch", fingerprint(x), fingerprint(topk_idx), fingerprint(topk_weights), source,
-               num_worst_tokens, expert_alignment, () if config is None else config, previous_event is None)
+               num_worst_tokens, expert_alignment, config_key(config), previous_event is None)
         plan = self._plans.get(key)
         if plan is None:
             plan, inputs, layout_inputs = self._dispatch_plan(key, x, topk_idx, topk_weights, handle, layout,
@@ -357,7 +358,7 @@ class Buffer:
             if auto_experts:
                 layout = self.get_dispatch_layout(topk_idx, auto_experts)
             layout_inputs = None if handle is not None else self._layout_inputs(layout, plan.num_tokens)[0]
-        return normal.dispatch(plan, inputs, layout_inputs, handle, id(self), previous_event, bool(async_finish))
+        return normal.dispatch(plan, inputs, layout_inputs, handle, id(self), previous_event, async_finish)
 
     def _dispatch_x(self, x: Any) -> tuple[arrays.ArrayInfo, Any, Any, bool]:
         """x's description and kernel arguments (x, scales), and whether it is FP8."""
@@ -480,7 +481,7 @@ class Buffer:
         if not isinstance(handle, DispatchHandle) or handle.buffer_id != id(self):
             raise ArgumentError(with_rank("handle must be the .handle of a dispatch of this Buffer"))
         key = ("combine", fingerprint(y), fingerprint(topk_weights), fingerprint(bias), handle.num_rows,
-               handle.num_tokens, handle.hidden, handle.num_topk, handle.num_channels, () if config is None else config,
+               handle.num_tokens, handle.hidden, handle.num_topk, handle.num_channels, config_key(config),
                previous_event is None)
         plan = self._plans.get(key)
         biases = tuple(bias) if isinstance(bias, (tuple, list)) else (() if bias is None else (bias,))
@@ -493,7 +494,7 @@ class Buffer:
             y_arg, w_arg = address(y), address(topk_weights)
             bias_args = (address(biases[0]) if biases else 0, address(biases[1]) if len(biases) > 1 else 0)
         return normal.combine(plan, handle, y, y_arg, topk_weights, w_arg, biases, bias_args, previous_event,
-                              bool(async_finish))
+                              check_flag(async_finish, "async_finish"))
 
     def _combine_plan(self, key: tuple[Any, ...], y: Any, handle: DispatchHandle, topk_weights: Any,
                       biases: tuple[Any, ...], config: Config | None,
@@ -557,8 +558,8 @@ class Buffer:
             stats_arg = stats.data_ptr() if stats is not None else 0
         else:
             x_arg, idx_arg, stats_arg = address(x), address(topk_idx), address(stats)
-        return ll.dispatch(plan, id(self), x, x_arg, topk_idx, idx_arg, stats, stats_arg, bool(return_recv_hook),
-                           bool(async_finish))
+        return ll.dispatch(plan, id(self), x, x_arg, topk_idx, idx_arg, stats, stats_arg,
+                           check_flag(return_recv_hook, "return_recv_hook"), check_flag(async_finish, "async_finish"))
 
     def _low_latency_dispatch_plan(self, key: tuple[Any, ...], ll: LowLatency, x: Any, topk_idx: Any, stats: Any,
                                    num_max: int, num_experts: int, use_fp8: Any, round_scale: Any,
@@ -631,10 +632,11 @@ class Buffer:
             out_arg = out.data_ptr() if out is not None else 0
         else:
             y_arg, idx_arg, w_arg, out_arg = address(y), address(topk_idx), address(topk_weights), address(out)
-        if zero_copy and not ll.is_combine_buffer(y_arg if isinstance(y_arg, int) else y_arg.data.ptr):
+        if check_flag(zero_copy, "zero_copy") and not ll.is_combine_buffer(
+                y_arg if isinstance(y_arg, int) else y_arg.data.ptr):
             raise ArgumentError(with_rank("zero_copy=True needs y from get_next_low_latency_combine_buffer(handle)"))
         return ll.combine(plan, handle, y, y_arg, topk_idx, idx_arg, topk_weights, w_arg, out, out_arg,
-                          bool(return_recv_hook), bool(async_finish))
+                          check_flag(return_recv_hook, "return_recv_hook"), check_flag(async_finish, "async_finish"))
 
     def _low_latency_combine_plan(self, key: tuple[Any, ...], ll: LowLatency, y: Any, topk_idx: Any,
                                   topk_weights: Any, out: Any, handle: LowLatencyHandle) -> tuple[Any, ...]:

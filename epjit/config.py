@@ -6,6 +6,7 @@ Pure Python (no GPU): the heuristics are unit-tested on the CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import ArgumentError, ArgumentTypeError, check_flag, check_int, with_rank
 from .kernels.intranode import NUM_THREADS, IntranodeSpec, intranode_nvl_bytes, intranode_spec
@@ -57,8 +58,9 @@ class Config:
         if not 1 <= self.num_sms <= MAX_CHANNELS:
             raise ArgumentError(with_rank(f"Config.num_sms={self.num_sms} must be in [1, {MAX_CHANNELS}] "
                                           "(one block a channel)"))
-        if self.nvl_chunk_send < 1:
-            raise ArgumentError(with_rank(f"Config.nvl_chunk_send={self.nvl_chunk_send} must be >= 1"))
+        for name in ("nvl_chunk_send", "rdma_chunk_send", "rdma_chunk_recv"):
+            if getattr(self, name) < 1:
+                raise ArgumentError(with_rank(f"Config.{name}={getattr(self, name)} must be >= 1"))
         if self.nvl_chunk_recv < self.nvl_chunk_send + COMBINE_READERS:
             raise ArgumentError(with_rank(
                 f"Config.nvl_chunk_recv={self.nvl_chunk_recv} must be >= nvl_chunk_send + {COMBINE_READERS} "
@@ -126,7 +128,16 @@ def normal_size_hint(num_ranks: int, hidden: int, num_topk: int = 8, num_experts
                      config: Config | None = None) -> int:
     """num_nvl_bytes a Buffer needs for normal-mode dispatch (bf16 or FP8) and combine with these sizes (each
     config's nvl_bytes checks them)."""
-    if config is not None and not isinstance(config, Config):
-        raise ArgumentTypeError(with_rank(f"config must be an epjit.Config, got {type(config).__name__}"))
+    config_key(config)  # refuses anything but a Config, naming it
     configs = [config] if config is not None else [get_dispatch_config(num_ranks), get_combine_config(num_ranks)]
     return max(c.nvl_bytes(num_ranks, hidden, num_topk, num_experts, fp8) for c in configs for fp8 in (False, True))
+
+
+def config_key(config: Any) -> Any:
+    """``config`` as part of a plan's key: () for None. Anything but a Config is refused here, naming the argument
+    (a dict would fail the plan lookup with a bare "unhashable" TypeError)."""
+    if config is None:
+        return ()
+    if not isinstance(config, Config):
+        raise ArgumentTypeError(with_rank(f"config must be an epjit.Config, got {type(config).__name__}"))
+    return config

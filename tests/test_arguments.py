@@ -4,13 +4,14 @@ another type (NumPy's, a 0-d integer array) is taken as the int it is."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from epjit import ArgumentError, ArgumentTypeError, Buffer
+from epjit import ArgumentError, ArgumentTypeError, Buffer, Config
 from epjit.errors import check_flag, check_int, set_rank
 from epjit.launch import launch
 
@@ -193,3 +194,19 @@ def test_launch_refuses_a_rank_count_or_timeout_that_is_not_a_number(tmp_path):
         with pytest.raises(error) as e:
             launch(n, [str(script)], **kwargs)
         assert str(e.value) == message
+
+
+def test_a_config_that_is_not_a_config_is_refused_naming_it():
+    from epjit.config import config_key
+
+    assert config_key(None) == ()
+    config = Config(24, 6, 256)
+    assert config_key(config) is config
+    with pytest.raises(ArgumentTypeError, match="config must be an epjit.Config, got dict"):
+        config_key({"num_sms": 24})
+
+
+@pytest.mark.parametrize("field", ["rdma_chunk_send", "rdma_chunk_recv", "nvl_chunk_send"])
+def test_config_chunks_below_one_are_refused(field):
+    with pytest.raises(ArgumentError, match=f"Config.{field}=0 must be >= 1"):
+        dataclasses.replace(Config(24, 6, 256), **{field: 0})
