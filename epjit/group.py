@@ -403,10 +403,11 @@ class Group:
 
         if comm is not None and (self.backend != "mpi" or not _same_comm(comm, self._comm)):
             raise refuse("with a different communicator")
-        if num_nvl_ranks is not None and as_int(num_nvl_ranks) is None:  # 2.0 == 2: not a reason to accept it
+        as_number = as_int(num_nvl_ranks)
+        if num_nvl_ranks is not None and as_number is None:  # 2.0 == 2: not a reason to accept it
             raise ArgumentTypeError(with_rank(f"num_nvl_ranks must be an int or None, got {num_nvl_ranks!r} "
                                               f"({type(num_nvl_ranks).__name__})"))
-        if num_nvl_ranks is not None and as_int(num_nvl_ranks) != self.num_nvl_ranks:
+        if num_nvl_ranks is not None and as_number != self.num_nvl_ranks:
             raise refuse(f"with num_nvl_ranks={num_nvl_ranks!r} (the group has {self.num_nvl_ranks})")
         if bind_device is True and self.device is None:
             raise refuse("with bind_device=True (the group uses no GPU)")
@@ -741,8 +742,8 @@ def _setup(
     bind_device: object,
     comm: Any,
 ) -> Group:
-    if as_int(num_nvl_ranks) is not None:
-        num_nvl_ranks = as_int(num_nvl_ranks)  # a NumPy integer is sent, compared and kept as the int it is
+    if (as_number := as_int(num_nvl_ranks)) is not None:
+        num_nvl_ranks = as_number  # a NumPy integer is sent, compared and kept as the int it is
     gpus, note = (0, "bind_device=False") if bind_device is False else _visible_gpus()
     mine = _RankInfo(
         host=socket.gethostname(),

@@ -270,14 +270,18 @@ def expected_normal(setup: Setup, params: RoundParams, inputs: list[RankInputs],
     biases = [host_bias(i, setup.hidden) for i in inputs] if params.bias else None
     combined = reference.combine(ys, [d.handle for d in ref], topk_weights=[d.topk_weights for d in ref],
                                  bias=biases)[rank]
-    mine = ref[rank]
+    return normal_outputs(layout, ref[rank], combined, params.fp8)
+
+
+def normal_outputs(layout: Any, dispatched: Any, combined: Any, fp8: bool) -> dict[str, Any]:
+    """A normal round's outputs by name, from the reference's results or the Buffer's (the same attributes)."""
     out = {"num_tokens_per_rank": layout.num_tokens_per_rank, "num_tokens_per_expert": layout.num_tokens_per_expert,
-           "is_token_in_rank": layout.is_token_in_rank, "x": mine.x, "topk_idx": mine.topk_idx,
-           "topk_weights": mine.topk_weights,
-           "num_recv_tokens_per_expert": np.asarray(mine.num_recv_tokens_per_expert, dtype=np.int64),
+           "is_token_in_rank": layout.is_token_in_rank, "x": dispatched.x, "topk_idx": dispatched.topk_idx,
+           "topk_weights": dispatched.topk_weights,
+           "num_recv_tokens_per_expert": np.asarray(dispatched.num_recv_tokens_per_expert, dtype=np.int64),
            "combined_x": combined.x, "combined_topk_weights": combined.topk_weights}
-    if params.fp8:
-        out["x_scales"] = mine.x_scales
+    if fp8:
+        out["x_scales"] = dispatched.x_scales
     return out
 
 
@@ -507,14 +511,7 @@ def normal_round(ctx: Context, params: RoundParams, inputs: RankInputs) -> tuple
     c = buf.combine(y, d.handle, topk_weights=d.topk_weights,
                     bias=device_bias(inputs, hidden) if params.bias else None)
     # left on the GPU (digests sums them there); the counts are on the host already
-    out = {"num_tokens_per_rank": layout.num_tokens_per_rank, "num_tokens_per_expert": layout.num_tokens_per_expert,
-           "is_token_in_rank": layout.is_token_in_rank, "x": d.x, "topk_idx": d.topk_idx,
-           "topk_weights": d.topk_weights,
-           "num_recv_tokens_per_expert": np.asarray(d.num_recv_tokens_per_expert, dtype=np.int64),
-           "combined_x": c.x, "combined_topk_weights": c.topk_weights}
-    if params.fp8:
-        out["x_scales"] = d.x_scales
-    return out, None
+    return normal_outputs(layout, d, c, params.fp8), None
 
 
 def low_latency_round(ctx: Context, params: RoundParams, inputs: RankInputs) -> tuple[dict[str, Any], str | None]:

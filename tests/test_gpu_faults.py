@@ -168,29 +168,20 @@ class Job:
     def tail(self, n: int = 80) -> str:
         return "\n".join(f"+{t - self.start:7.2f}s {text}" for t, text in self.lines[-n:])
 
+    def _matches(self, pattern: str) -> list[re.Match[str]]:
+        """Every line's first match of ``pattern``, in the order the lines came."""
+        return [m for _, text in self.lines if (m := re.search(pattern, text))]
+
     def mark(self, word: str) -> float | None:
-        for _, text in self.lines:
-            m = re.search(rf"\b{word} (\d+(?:\.\d+)?)\s*$", text)
-            if m:
-                return float(m.group(1))
-        return None
+        found = self._matches(rf"\b{word} (\d+(?:\.\d+)?)\s*$")
+        return float(found[0].group(1)) if found else None
 
     def ready(self) -> dict[int, int]:
         """rank -> pid, from the READY lines."""
-        found = {}
-        for _, text in self.lines:
-            m = re.search(r"\bREADY (\d+) (\d+)/\d+", text)
-            if m:
-                found[int(m.group(2))] = int(m.group(1))
-        return found
+        return {int(m.group(2)): int(m.group(1)) for m in self._matches(r"\bREADY (\d+) (\d+)/\d+")}
 
     def entered(self) -> dict[int, float]:
-        found = {}
-        for _, text in self.lines:
-            m = re.search(r"\bENTERING (\d+) (\d+(?:\.\d+)?)", text)
-            if m:
-                found[int(m.group(1))] = float(m.group(2))
-        return found
+        return {int(m.group(1)): float(m.group(2)) for m in self._matches(r"\bENTERING (\d+) (\d+(?:\.\d+)?)")}
 
     def results(self) -> dict[int, dict]:
         found = {}

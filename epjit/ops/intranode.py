@@ -63,8 +63,13 @@ HOST_RECORD_BYTES = 4096  # a record's least size and its share of the pool (mor
 RATE_HISTORY = 32  # dispatches whose received rows per token size the next one's outputs (RowEstimate)
 
 
+def expert_counts_at(num_ranks: int) -> int:
+    """Where the host record's rows per local expert start: after [0] rows, [1] status, the metas and the totals."""
+    return 2 + (META_INTS + 1) * num_ranks
+
+
 def host_record_bytes(num_ranks: int, num_experts: int) -> int:
-    return max(4 * (2 + (META_INTS + 1) * num_ranks + num_experts // num_ranks), HOST_RECORD_BYTES)
+    return max(4 * (expert_counts_at(num_ranks) + num_experts // num_ranks), HOST_RECORD_BYTES)
 
 
 def describe_meta(name: str, value: int) -> str:
@@ -428,7 +433,7 @@ class Intranode:
         return DispatchPlan(framework, kind, num_tokens, hidden, num_topk, num_scales, num_experts, fp8, with_idx,
                             with_weights, num_worst_tokens, channels, flags, new_outputs,
                             (hidden, num_scales, num_topk, num_topk),
-                            2 + (META_INTS + 1) * self.num_ranks + (0 if cached else num_experts // self.num_ranks),
+                            expert_counts_at(self.num_ranks) + (0 if cached else num_experts // self.num_ranks),
                             notify, dispatch, module)
 
     def combine_plan(self, framework: str, kind: str, spec: IntranodeSpec, config: Config, handle: DispatchHandle,
@@ -576,7 +581,7 @@ class Intranode:
                 raise EpjitError(with_rank(f"cached dispatch received {num_recv} rows, the handle says "
                                            f"{handle.num_recv_tokens}"))
             return []
-        return record[2 + (META_INTS + 1) * self.num_ranks:]
+        return record[expert_counts_at(self.num_ranks):]
 
     @staticmethod
     def _shrink(plan: DispatchPlan, outs: tuple[Any, ...], rows: int) -> tuple[Any, ...]:
