@@ -290,7 +290,10 @@ class Group:
             except ChannelFailure as e:
                 if e.fatal:
                     self._broken = str(e)
-                raise CollectiveError(with_rank(f"{op} failed: {e}")) from None
+                failure = str(e)
+        # Raised outside the handler, so its context is what the caller was handling when it called (a Buffer closed
+        # in a `finally` after an error): that error is printed with this one, not hidden behind the socket's.
+        raise CollectiveError(with_rank(f"{op} failed: {failure}"))
 
     @staticmethod
     def _check_inputs(op: str, entries: list[bytes | None], my_problem: str | None) -> None:

@@ -409,3 +409,15 @@ def test_channel_client_timeout(server):
     g = _group(ch.Client(server.addr, "secret", 0, 2, timeout=0.3))
     with pytest.raises(CollectiveError, match=r"barrier failed: timed out after 0.3 s .*EPJIT_COLLECTIVE_TIMEOUT_S"):
         g.barrier()
+
+
+def test_collective_failure_in_cleanup_keeps_the_error_being_handled(server):
+    """A Buffer closed in a `finally` after an error runs a barrier; when that barrier fails too (a peer is gone),
+    the first error must stay in the traceback, not be hidden behind the socket's."""
+    g = _group(ch.Client(server.addr, "secret", 0, 2, timeout=0.3))
+    with pytest.raises(CollectiveError, match="barrier failed") as info:
+        try:
+            raise MemoryError("the real problem")
+        finally:
+            g.barrier()
+    assert isinstance(info.value.__context__, MemoryError) and not info.value.__suppress_context__
