@@ -15,9 +15,10 @@ from epjit.ops import intranode as ops
 from epjit.ops import low_latency as ll_ops
 
 
-def _estimate(ranks: int, rates: list[float], num_tokens: int) -> int:
+def _estimate(ranks: int, rates: list[float], num_tokens: int, rows: list[int] | None = None) -> int:
     estimate = ops.RowEstimate(ranks)
     estimate.rates.extend(rates)
+    estimate.recent_rows.extend(rows if rows is not None else [1 << 30] * len(rates))  # no bound unless given
     return estimate.rows(num_tokens)
 
 
@@ -30,9 +31,22 @@ def test_first_estimate_is_every_token_to_every_rank_then_the_largest_recent_rat
     # Only the last RATE_HISTORY calls count: an early outlier ages out.
     assert _estimate(4, [3.9] + [3.0] * ops.RATE_HISTORY, 1000) == int(3.0 * 1000 * 17 / 16) + 128
     estimate = ops.RowEstimate(2)
-    estimate.saw(0, 10)  # an empty call says nothing about the rate
+    estimate.saw(0, 10)  # an empty call says nothing about the rate, but its rows bound the next estimate
     estimate.saw(100, 150)
-    assert list(estimate.rates) == [1.5]
+    assert list(estimate.rates) == [1.5] and list(estimate.recent_rows) == [10, 150]
+
+
+def test_estimate_is_at_most_twice_the_most_rows_lately():
+    # A rank that sent 1 token and received 1,200 rows (rate 1,200), then sends 512: the rate alone would take
+    # 650k rows; the rows it received lately bound it.
+    estimate = ops.RowEstimate(8)
+    estimate.saw(300, 900)
+    estimate.saw(1, 1200)
+    assert estimate.rows(512) == 2 * 1200 + 128
+    assert estimate.rows(100) == min(int(1200 * 100 * 17 / 16) + 128, 2 * 1200 + 128)
+    # A rank that received nothing lately still gets the 128 spare rows; the rate term wins when it is smaller.
+    assert _estimate(4, [0.0], 4096, rows=[0]) == 128
+    assert _estimate(4, [0.5], 100, rows=[5000]) == int(0.5 * 100 * 17 / 16) + 128
 
 
 def _host_out(status: int, metas: list[list[int]], totals: list[int]) -> np.ndarray:

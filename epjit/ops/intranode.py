@@ -209,19 +209,27 @@ class RowEstimate:
     rank; more arrive only when other ranks send more tokens than this one), then the most rows per token of the
     last RATE_HISTORY calls, times N, plus 1/16 and 128 rows. The most, not the last: one Buffer serves every MoE
     layer of a model, each with its own routing balance, and a call that does not fit costs a second notify (notify
-    stops it on every rank and it runs again with the exact rows)."""
+    stops it on every rank and it runs again with the exact rows).
+
+    At most twice the most rows of those calls, plus 128: what a rank receives is what the others send, so a call
+    in which this rank sent 1 token and received 1,000 rows (a rate of 1,000) says nothing about a call of 512
+    tokens, for which the rate alone would allocate half a million rows (gigabytes at hidden 4096). A call that
+    outgrows the bound twofold (a prefill after decode steps) runs twice once, and is part of the bound after."""
 
     def __init__(self, num_ranks: int) -> None:
         self.num_ranks = num_ranks
         self.rates: collections.deque[float] = collections.deque(maxlen=RATE_HISTORY)
+        self.recent_rows: collections.deque[int] = collections.deque(maxlen=RATE_HISTORY)
         self.retries = 0  # dispatches run again because their outputs were too small (tests read it)
 
     def rows(self, num_tokens: int) -> int:
-        if not self.rates:
+        if not self.recent_rows:
             return self.num_ranks * num_tokens
-        return int(max(self.rates) * num_tokens * 17 / 16) + 128
+        by_rate = int(max(self.rates, default=0.0) * num_tokens * 17 / 16) + 128
+        return min(by_rate, 2 * max(self.recent_rows) + 128)
 
     def saw(self, num_tokens: int, num_rows: int) -> None:
+        self.recent_rows.append(num_rows)
         if num_tokens > 0:
             self.rates.append(num_rows / num_tokens)
 

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 
+import cupy
 import ml_dtypes
 import numpy as np
 import torch
@@ -186,6 +187,31 @@ def run_ahead_counts(buf, rank: int, R: int) -> None:
     buf.synchronize()
 
 
+def unbalanced_barriers(buf, group) -> list[str]:
+    """The NVLink buffer's barrier signals that are not back to 0 once every rank's kernels are done: a barrier one
+    rank took and a peer did not (each arrival adds to the peer's row what the peer's own arrival takes away), so
+    their calls no longer pair up. Row 0 is notify's, then a row a channel (combine's)."""
+    buf.synchronize()
+    group.barrier()
+    base = buf.mem.nvl.base
+    header = cupy.ndarray((2048,), cupy.int32, cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(base, 8192, buf), 0))
+    ints = header.get()
+    R = group.size
+    bad = [f"notify[{t}]={ints[t]}" for t in range(R) if ints[t]]
+    rows = ints[1024:].reshape(128, 8)  # a row of 8 signals a channel
+    bad += [f"channel {c}[{t}]={rows[c, t]}" for c in range(128) for t in range(R) if rows[c, t]]
+    group.barrier()  # nobody's next kernel may move a signal before every rank read its own
+    return bad
+
+
+def check_barriers(buf, group, where: str, result: dict) -> None:
+    bad = unbalanced_barriers(buf, group)
+    if bad and "unbalanced" not in result:
+        result["unbalanced"] = f"after {where}: {bad[:6]}"
+        print(f"[rank {group.rank}] barrier signals unbalanced after {where} ({buf._intranode.estimate.retries} "
+              f"retries so far): {bad[:12]}", file=sys.stderr, flush=True)
+
+
 def digest(*tensors: torch.Tensor) -> str:
     h = hashlib.sha256()
     for t in tensors:
@@ -259,6 +285,7 @@ def main() -> int:
             except Mismatch as e:
                 raise Mismatch(f"case {i} {case}: {e}") from None
             result["cases"] += 1
+            check_barriers(buf, group, f"case {i}", result)
 
         # What users run: outputs not poisoned, so torch allocates every output itself and the layout kernel runs on
         # the caller's stream (with poisoning it runs where the poison is written).
@@ -280,6 +307,7 @@ def main() -> int:
             result["mismatch_error"] = None
         except epjit.ArgumentError as e:
             result["mismatch_error"] = str(e)[:200]
+        check_barriers(buf, group, "the refused mismatch", result)
         run_case(buf, rank, R, seed=7, counts=[50] * R, hidden=2048, topk=4, num_experts=64, fp8=False, holes=0.1)
 
         # An expert id out of range on one rank: caught by the layout kernel, refused by notify on every rank.
@@ -292,6 +320,7 @@ def main() -> int:
             result["invalid_ids_error"] = None
         except epjit.ArgumentError as e:
             result["invalid_ids_error"] = str(e)[:200]
+        check_barriers(buf, group, "the refused invalid ids", result)
 
         # Bad input: a clear exception before any kernel runs (each rank raises the same, so no one waits).
         x = torch.randn(64, 2048, device="cuda").to(torch.bfloat16)
@@ -316,6 +345,7 @@ def main() -> int:
             except (ValueError, TypeError) as e:
                 refused[name] = f"{type(e).__name__}: {e}"[:160]
         result["refused"] = refused
+        check_barriers(buf, group, "the arguments refused on the host", result)
         # num_worst_tokens smaller than what arrives: the kernels do nothing, the next call raises on every rank.
         try:
             buf.dispatch(x, topk_idx=idx, num_experts=64, num_worst_tokens=8)
@@ -323,6 +353,7 @@ def main() -> int:
             result["worst_too_small"] = None
         except epjit.ArgumentError as e:
             result["worst_too_small"] = str(e)[:200]
+        check_barriers(buf, group, "worst too small", result)
         run_case(buf, rank, R, seed=8, counts=[40] * R, hidden=2048, topk=4, num_experts=64, fp8=False, holes=0.1)
         # The same refusal with the host ahead of the GPU (a step's usual state): a later worst-token call, queued
         # before the refused one's notify ran, must not hide it.
@@ -337,7 +368,9 @@ def main() -> int:
             result["run_ahead_refusal"] = None
         except epjit.ArgumentError as e:
             result["run_ahead_refusal"] = str(e)[:200]
+        check_barriers(buf, group, "the run-ahead refusal", result)
         run_ahead_counts(buf, rank, R)
+        check_barriers(buf, group, "the run-ahead counts", result)
         # A refusal nothing raised before the Buffer is closed: close raises it, after releasing everything.
         spare = epjit.Buffer(group, num_nvl_bytes=epjit.Buffer.get_normal_size_hint(R, 2048, 4, 64))
         spare.dispatch(x, topk_idx=idx, num_experts=64, num_worst_tokens=8)
@@ -360,6 +393,8 @@ def main() -> int:
                 d = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=64)
                 c = buf.combine(d.x, d.handle, topk_weights=d.topk_weights)
                 h.update(digest(d.x, d.topk_idx, c.x, c.topk_weights).encode())
+                if it % 50 == 49:
+                    check_barriers(buf, group, f"loop {it}", result)
             runs.append(h.hexdigest()[:16])
         result["loops_identical"] = runs[0] == runs[1]
         result["retries"] = buf._intranode.estimate.retries
@@ -369,7 +404,8 @@ def main() -> int:
     result["seconds"] = round(time.perf_counter() - start, 1)
     print("RESULT " + json.dumps(result), flush=True)
     group.close()
-    ok = (result["loops_identical"] and "hidden differs" in (result["mismatch_error"] or "")
+    ok = ("unbalanced" not in result and result["loops_identical"]
+          and "hidden differs" in (result["mismatch_error"] or "")
           and all(result["refused"].values()) and "too small for what arrives" in (result["worst_too_small"] or "")
           and "too small for what arrives" in (result["run_ahead_refusal"] or "")
           and "too small for what arrives" in (result["close_refusal"] or "")
