@@ -158,8 +158,14 @@ def run_ranks(launcher: str, n: int, script: str, *args: str, env: dict[str, str
     proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout + 60)
     _save_log(script, n, launcher, proc.stdout + proc.stderr)
     output = without_unload_noise(proc.stdout + proc.stderr)
+    return proc.returncode, output, sorted(result_dicts(proc.stdout), key=lambda r: r["rank"])
+
+
+def result_dicts(stdout: str) -> list[dict]:
+    """Every ``RESULT {json}`` the ranks printed. mpirun forwards the ranks' output in pieces, so two ranks' results
+    can share a line ("...}RESULT {...") or lack the newline between them: each is decoded where it starts."""
+    decoder = json.JSONDecoder()
     results = []
-    for line in proc.stdout.splitlines():
-        if "RESULT " in line:
-            results.append(json.loads(line.split("RESULT ", 1)[1]))
-    return proc.returncode, output, sorted(results, key=lambda r: r["rank"])
+    for piece in stdout.split("RESULT ")[1:]:
+        results.append(decoder.raw_decode(piece.lstrip())[0])
+    return results

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .gpu import without_unload_noise
+from .gpu import result_dicts, without_unload_noise
 
 UNLOAD = """[rank {r}] Traceback (most recent call last):
 [rank {r}]   File "cupy_backends/cuda/api/driver.pyx", line 247, in cupy_backends.cuda.api.driver.moduleUnload
@@ -33,3 +33,9 @@ def test_a_driver_error_raised_by_epjit_code_is_kept():
   File "cupy_backends/cuda/api/driver.pyx", line 73, in cupy_backends.cuda.api.driver.check_status
 cupy_backends.cuda.api.driver.CUDADriverError: CUDA_ERROR_LAUNCH_FAILED: unspecified launch failure"""
     assert without_unload_noise(text) == text
+
+
+def test_results_are_read_where_two_ranks_share_a_line():
+    stdout = ('[rank 1] noise\nRESULT {"rank": 0, "x": [1, 2]}RESULT {"rank": 6, "s": "a}b"}\n'
+              'RESULT {"rank": 1}\nlast line\n')
+    assert result_dicts(stdout) == [{"rank": 0, "x": [1, 2]}, {"rank": 6, "s": "a}b"}, {"rank": 1}]
