@@ -42,14 +42,25 @@ from .ops.streams import Event, Outputs, Streams, caller_stream, is_capturing
 _MAX_PLANS = 512  # plans kept per Buffer (a model has a few shapes; a sweep over many starts again)
 
 
+def _group_of(group: Any) -> Group:
+    """The epjit group over a torch ProcessGroup (DeepEP's Buffer takes one), made or found by ``epjit.init``."""
+    from .group import _is_process_group, init
+
+    if _is_process_group(group):
+        return init(torch_group=group)
+    raise ArgumentTypeError(with_rank(f"group must be what epjit.init() returns or a torch ProcessGroup, got "
+                                      f"{type(group).__name__}"))
+
+
 class Buffer:
     """Peer memory, streams and kernels for expert-parallel dispatch/combine (a collective object: every rank of
     the group constructs and closes it together)."""
 
-    def __init__(self, group: Group, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0, low_latency_mode: bool = False,
-                 num_max_dispatch_tokens_per_rank: int = 0, hidden: int = 0, num_experts: int = 0) -> None:
+    def __init__(self, group: Group | Any, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_max_dispatch_tokens_per_rank: int = 0, hidden: int = 0,
+                 num_experts: int = 0) -> None:
         if not isinstance(group, Group):
-            raise ArgumentTypeError(with_rank(f"group must be what epjit.init() returns, got {type(group).__name__}"))
+            group = _group_of(group)
         # As ints, before any collective or GPU work: "1GB", 1.5 or True is no size (int() would make one of them).
         num_nvl_bytes, num_rdma_bytes, self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts = (
             check_int(value, f"Buffer({name}=...)") for name, value in (

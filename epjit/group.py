@@ -6,6 +6,8 @@
   here and only here. The local rank comes from ``Split_type(COMM_TYPE_SHARED)``; nodes are numbered by the lowest
   rank of each shared-memory group.
 - ``"launcher"``: under ``python -m epjit.launch``, over the launcher's TCP channel (no MPI imported at all).
+- ``"torch"``: under ``torchrun`` (torch.distributed's default group, or a gloo one epjit creates when the script
+  has none), or with ``torch_group=`` any torch ProcessGroup, gloo or NCCL (``epjit/_torch_transport.py``).
 - ``"single"``: a plain ``python script.py``: one rank.
 
 The collectives move bytes between host processes (IPC handles, the NVSHMEM unique id, sizes to check); they are
@@ -215,7 +217,8 @@ class Group:
 
     Attributes: ``rank, size`` (in the communicator), ``local_rank, local_size`` (on this host), ``node,
     num_nodes`` (hosts, numbered by their lowest rank), ``num_nvl_ranks`` (ranks per NVLink node), ``nvl_rank =
-    rank % num_nvl_ranks``, ``nvl_node = rank // num_nvl_ranks``, ``backend`` ('mpi' | 'launcher' | 'single'),
+    rank % num_nvl_ranks``, ``nvl_node = rank // num_nvl_ranks``, ``backend`` ('mpi' | 'launcher' | 'torch' |
+    'single'),
     ``device`` (the CUDA ordinal this process uses, or None on the CPU tier), ``hosts`` (host name of each rank).
     """
 
@@ -398,7 +401,8 @@ class Group:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _check_reinit(self, comm: Any, num_nvl_ranks: int | None, bind_device: bool | None) -> None:
+    def _check_reinit(self, comm: Any, num_nvl_ranks: int | None, bind_device: bool | None,
+                      torch_group: Any = None) -> None:
         def refuse(what: str) -> ArgumentError:
             return ArgumentError(
                 with_rank(f"epjit.init() was already called ({self!r}) and now {what}; close() that group first")
@@ -406,6 +410,8 @@ class Group:
 
         if comm is not None and (self.backend != "mpi" or not _same_comm(comm, self._comm)):
             raise refuse("with a different communicator")
+        if torch_group is not None and (self.backend != "torch" or torch_group is not self._comm):
+            raise refuse("with a different torch process group")
         as_number = as_int(num_nvl_ranks)
         if num_nvl_ranks is not None and as_number is None:  # 2.0 == 2: not a reason to accept it
             raise ArgumentTypeError(with_rank(f"num_nvl_ranks must be an int or None, got {num_nvl_ranks!r} "
@@ -416,6 +422,12 @@ class Group:
             raise refuse("with bind_device=True (the group uses no GPU)")
         if bind_device is False and self.device is not None:
             raise refuse(f"with bind_device=False (the group uses GPU {self.device})")
+
+
+def _is_process_group(obj: object) -> bool:
+    from ._torch_transport import is_process_group
+
+    return is_process_group(obj)
 
 
 def _same_comm(a: Any, b: Any) -> bool:
@@ -450,8 +462,11 @@ def _size_hint(environ: Mapping[str, str], names: tuple[str, ...] | None = None)
     return None
 
 
-def _choose_backend(environ: Mapping[str, str], comm_given: bool, mpi_initialized: bool) -> str:
-    """'launcher' | 'mpi' | 'single' | 'torchrun' (a job of several ranks we cannot join)."""
+def _choose_backend(environ: Mapping[str, str], comm_given: bool, mpi_initialized: bool,
+                    torch_given: bool = False) -> str:
+    """'launcher' | 'mpi' | 'torch' | 'single'."""
+    if torch_given:
+        return "torch"
     if comm_given:
         return "mpi"
     if environ.get(env.LAUNCH_ADDR):
@@ -463,7 +478,7 @@ def _choose_backend(environ: Mapping[str, str], comm_given: bool, mpi_initialize
         return "mpi"  # srun: mpi4py may work (PMI through Slurm); init checks that MPI sees the same size
     hint = _size_hint(environ, ("WORLD_SIZE",))
     if hint is not None and hint[1] > 1:
-        return "torchrun"
+        return "torch"  # torchrun, or anything else that sets torch.distributed's env:// variables
     return "single"
 
 
@@ -565,6 +580,35 @@ def _mpi_transport(comm: Any, environ: Mapping[str, str], timeout: float | None)
     if dup.Get_size() > 1:
         _abort_job_on_uncaught_exception(MPI)
     return _MpiTransport(MPI, dup, timeout), placement, base
+
+
+def _torch_transport(group: Any, environ: Mapping[str, str], timeout: float | None) -> tuple[_Transport, _Placement,
+                                                                                              Any]:
+    hint = _size_hint(environ, ("WORLD_SIZE",))
+    try:
+        from . import _torch_transport as tt
+
+        transport, rank, size, group = tt.join(group, environ, timeout)
+    except ImportError as e:
+        n = hint[1] if hint is not None else 2
+        raise SetupError(
+            f"WORLD_SIZE={n} says this process is one of {n} ranks (torchrun?), but torch.distributed cannot be "
+            f"imported ({e}): install torch, or {_how_to_start(n)}"
+        ) from None
+    except (ValueError, RuntimeError) as e:  # no MASTER_ADDR / MASTER_PORT, a rendezvous that failed
+        n = hint[1] if hint is not None else 2
+        raise SetupError(
+            f"WORLD_SIZE={n} says this process is one of {n} ranks, but it cannot join torch.distributed's default "
+            f"process group ({e}): start it with `torchrun --nproc-per-node {n} ...`, or {_how_to_start(n)}"
+        ) from None
+    import torch.distributed as dist
+
+    try:
+        local_rank, local_size = tt.local_placement(transport, rank, size, group is dist.group.WORLD, environ,
+                                                    socket.gethostname())
+    except ChannelFailure as e:
+        raise CollectiveError(f"init failed: {e}") from None
+    return transport, _Placement(rank, size, local_rank, local_size, None), group
 
 
 _ABORT_GRACE_S = 0.5
@@ -856,7 +900,8 @@ def current() -> Group | None:
     return _current
 
 
-def init(comm: Any = None, num_nvl_ranks: int | None = None, *, bind_device: bool | None = None) -> Group:
+def init(comm: Any = None, num_nvl_ranks: int | None = None, *, bind_device: bool | None = None,
+         torch_group: Any = None) -> Group:
     """Find the ranks of this job, bind this process to its GPU, and return the :class:`Group`.
 
     - ``comm``: an mpi4py intracommunicator to run over (default: MPI.COMM_WORLD under mpirun, the launcher's
@@ -865,6 +910,8 @@ def init(comm: Any = None, num_nvl_ranks: int | None = None, *, bind_device: boo
       values make one host act as several nodes (the internode path, testable on one machine).
     - ``bind_device``: None binds GPU ``local_rank`` when the host has GPUs and runs without one otherwise; True
       requires a GPU; False never touches CUDA.
+    - ``torch_group``: a torch ProcessGroup (gloo or NCCL) to run over. Under ``torchrun`` without it, the default
+      group (epjit creates a gloo one, and destroys it with this group, when the script has none).
 
     Collective: every rank calls it with the same arguments. A second call returns the same group (an explicit
     argument that disagrees with it raises ArgumentError). Raises SetupError when the job is not startable as is
@@ -873,24 +920,25 @@ def init(comm: Any = None, num_nvl_ranks: int | None = None, *, bind_device: boo
     """
     global _current
     with _init_lock:
+        if torch_group is None and comm is not None and _is_process_group(comm):
+            comm, torch_group = None, comm  # a torch group passed where an MPI communicator goes
+        if torch_group is not None and not _is_process_group(torch_group):
+            raise ArgumentTypeError(with_rank(f"torch_group must be a torch.distributed ProcessGroup, got "
+                                              f"{type(torch_group).__name__}"))
         if _current is not None:
-            _current._check_reinit(comm, num_nvl_ranks, bind_device)
+            _current._check_reinit(comm, num_nvl_ranks, bind_device, torch_group)
             return _current
         environ = os.environ
         timeout = env.settings().collective_timeout_s
-        backend = _choose_backend(environ, comm is not None, _mpi_initialized())
-        if backend == "torchrun":
-            name, n = _size_hint(environ, ("WORLD_SIZE",)) or ("WORLD_SIZE", 2)
-            raise SetupError(
-                f"{name}={n} says this process is one of {n} ranks (torchrun?), but epjit does not join "
-                f"torch.distributed's rendezvous: {_how_to_start(n)}"
-            )
+        backend = _choose_backend(environ, comm is not None, _mpi_initialized(), torch_group is not None)
         user_comm = None
         transport: _Transport
         if backend == "launcher":
             transport, place = _launcher_transport(environ, timeout)
         elif backend == "mpi":
             transport, place, user_comm = _mpi_transport(comm, environ, timeout)
+        elif backend == "torch":
+            transport, place, user_comm = _torch_transport(torch_group, environ, timeout)
         else:
             transport, place = _SingleTransport(), _Placement(0, 1, 0, 1, None)
         set_rank(place.rank if place.size > 1 else None)

@@ -119,7 +119,7 @@ def test_gpu_plan():
         ({"PMIX_RANK": "0"}, "mpi"),
         ({"SLURM_NTASKS": "4", "SLURM_PROCID": "1"}, "mpi"),
         ({"SLURM_NTASKS": "4"}, "single"),  # a batch script, not a task of srun
-        ({"WORLD_SIZE": "2", "RANK": "0"}, "torchrun"),
+        ({"WORLD_SIZE": "2", "RANK": "0"}, "torch"),
         ({"WORLD_SIZE": "1"}, "single"),
         ({"WORLD_SIZE": "2", "PMI_RANK": "0"}, "mpi"),
     ],
@@ -421,3 +421,27 @@ def test_collective_failure_in_cleanup_keeps_the_error_being_handled(server):
         finally:
             g.barrier()
     assert isinstance(info.value.__context__, MemoryError) and not info.value.__suppress_context__
+
+
+def test_torch_group_placement_by_host_names_or_torchrun_variables():
+    from epjit._torch_transport import local_placement
+
+    class Hosts:  # the transport's allgather, as if every rank had sent its host name
+        def __init__(self, hosts):
+            self.hosts = hosts
+
+        def allgather(self, data):
+            return [h.encode() for h in self.hosts]
+
+    hosts = Hosts(["a", "a", "b", "b", "b"])
+    assert [local_placement(hosts, r, 5, False, {}, hosts.hosts[r]) for r in range(5)] == [
+        (0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
+    # torchrun's own numbering for its default group; a subgroup, or variables that are not numbers, by host
+    assert local_placement(hosts, 3, 5, True, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "3"}, "b") == (1, 3)
+    assert local_placement(hosts, 3, 5, False, {"LOCAL_RANK": "7", "LOCAL_WORLD_SIZE": "8"}, "b") == (1, 3)
+    assert local_placement(hosts, 3, 5, True, {"LOCAL_RANK": "x", "LOCAL_WORLD_SIZE": "3"}, "b") == (1, 3)
+
+
+def test_torch_group_argument_must_be_a_process_group():
+    with pytest.raises(ArgumentTypeError, match="torch_group must be a torch.distributed ProcessGroup, got str"):
+        epjit.init(torch_group="world")
