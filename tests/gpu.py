@@ -77,11 +77,13 @@ def mpirun() -> str | None:
 def rank_command(launcher: str, n: int, script: str, *args: str, env: dict[str, str] | None = None,
                  timeout: float = 240) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that run ``script`` on ``n`` ranks under ``launcher`` ("launch": epjit.launch
-    with ``--timeout``, or "mpirun"); skips the test where there is no mpirun."""
+    with ``--timeout``, "torchrun", or "mpirun"); skips the test where there is no mpirun."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), full_env.get("PYTHONPATH", "")) if p)
     if launcher == "launch":
         cmd = [sys.executable, "-m", "epjit.launch", "-n", str(n), "--timeout", str(int(timeout)), script, *args]
+    elif launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), script, *args]
     elif launcher == "mpirun":
         runner = mpirun()
         if runner is None:
