@@ -60,3 +60,26 @@ def test_wait_record_dtype_matches_struct():
         assert memory.WAIT_RECORD_DTYPE.fields[name][1] == offset, name
         offset += int(array[1:-1]) if array else sizes[ctype]
     assert offset == memory.WAIT_RECORD_DTYPE.itemsize == memory.WAIT_RECORD_BYTES
+
+
+def test_layout_allocation_holds_per_node_counts_among_the_counts():
+    """get_dispatch_layout's one allocation: per-node counts only on a group of several NVLink nodes, placed before
+    invalid_ids and is_token_in_rank, so the memset of the counts (multi-block layouts) zeroes them too."""
+    import numpy as np
+
+    from epjit.ops.layout import DispatchLayout, MadeLayout
+
+    one = MadeLayout.offsets(100, 8, 64)
+    two = MadeLayout.offsets(100, 8, 64, num_nodes=2)
+    assert one[2] == one[5] and two[2] == two[5] + 256  # 2 nodes: 8 bytes, one aligned part
+    assert all(o % 256 == 0 for o in two) and two[3] > two[2] > two[5] > two[1]
+    owner = np.zeros(two[4], np.uint8)
+    owner[two[5]:two[5] + 8].view(np.int32)[:] = [70, 41]
+    made = MadeLayout(owner, "cupy", "cupy", 100, 8, 64, 0, two[1], two[2], two[3], num_nodes=2)
+    assert DispatchLayout(made=made).num_tokens_per_rdma_rank.tolist() == [70, 41]
+    single = MadeLayout(np.zeros(one[4], np.uint8), "cupy", "cupy", 100, 8, 64, 0, one[1], one[2], one[3])
+    assert DispatchLayout(made=single).num_tokens_per_rdma_rank is None
+    # Assigning any array keeps the others the caller could see, the per-node counts included.
+    layout = DispatchLayout(made=made)
+    layout.num_tokens_per_expert = np.zeros(64, np.int32)
+    assert layout.made is None and layout.num_tokens_per_rdma_rank.tolist() == [70, 41]

@@ -2,8 +2,11 @@
 
 One allocation holds a layout's outputs:
 
-    | num_tokens_per_rank | num_tokens_per_expert | invalid_ids | is_token_in_rank |
-    | R x int32           | E x int32             | 1 x int32   | N x R bool       |   each part 256-byte aligned
+    | num_tokens_per_rank | num_tokens_per_expert | num_tokens_per_rdma_rank | invalid_ids | is_token_in_rank |
+    | R x int32           | E x int32             | nodes x int32 (or none)  | 1 x int32   | N x R bool       |
+
+each part 256-byte aligned; num_tokens_per_rdma_rank (tokens bound for each NVLink node, a token once a node) only
+where the group has more than one node.
 
 With several blocks the kernel adds into the counts, which the host zeroes first; a single block (up to 256
 tokens) stores them whole, and the host skips the memset. Every row of is_token_in_rank is written whole.
@@ -49,19 +52,26 @@ class MadeLayout:
     per_expert_ptr: int
     invalid_ptr: int
     in_rank_ptr: int
+    num_nodes: int = 1
 
     @staticmethod
-    def offsets(num_tokens: int, num_ranks: int, num_experts: int) -> tuple[int, int, int, int, int]:
-        """Byte offsets of the four parts, and the total."""
+    def offsets(num_tokens: int, num_ranks: int, num_experts: int,
+                num_nodes: int = 1) -> tuple[int, int, int, int, int, int]:
+        """Byte offsets of num_tokens_per_rank, num_tokens_per_expert, invalid_ids, is_token_in_rank, the total, and
+        num_tokens_per_rdma_rank (among the counts, so the memset of the counts zeroes it too)."""
         expert = _up(4 * num_ranks)
-        invalid = expert + _up(4 * num_experts)
+        per_node = expert + _up(4 * num_experts)
+        invalid = per_node + (_up(4 * num_nodes) if num_nodes > 1 else 0)
         in_rank = invalid + _ALIGN
-        return 0, expert, invalid, in_rank, in_rank + _up(num_tokens * num_ranks)
+        return 0, expert, invalid, in_rank, in_rank + _up(num_tokens * num_ranks), per_node
 
     def view(self, part: int) -> Any:
-        """Part 0 num_tokens_per_rank, 1 num_tokens_per_expert, 2 invalid_ids, 3 is_token_in_rank."""
-        start = self.offsets(self.num_tokens, self.num_ranks, self.num_experts)[part]
-        n = (self.num_ranks, self.num_experts, 1, self.num_tokens * self.num_ranks)[part]
+        """Part 0 num_tokens_per_rank, 1 num_tokens_per_expert, 2 invalid_ids, 3 is_token_in_rank, 5
+        num_tokens_per_rdma_rank (None inside one node)."""
+        if part == 5 and self.num_nodes == 1:
+            return None
+        start = self.offsets(self.num_tokens, self.num_ranks, self.num_experts, self.num_nodes)[part]
+        n = (self.num_ranks, self.num_experts, 1, self.num_tokens * self.num_ranks, 0, self.num_nodes)[part]
         raw = self.owner[start:start + (n if part == 3 else 4 * n)]
         torch = sys.modules["torch"] if self.kind == "torch" else None
         if part == 3:
@@ -98,13 +108,13 @@ class DispatchLayout:
         return self._arrays[i]
 
     def _set(self, i: int, value: Any) -> None:
-        for j, part in ((0, 0), (2, 1), (3, 3)):  # a hand-made layout keeps every array the caller can see
+        for j, part in ((0, 0), (1, 5), (2, 1), (3, 3)):  # a hand-made layout keeps every array the caller can see
             self._get(j, part)
         self._arrays[i] = value
         self.made = None
 
     num_tokens_per_rank = property(lambda self: self._get(0, 0), lambda self, v: self._set(0, v))
-    num_tokens_per_rdma_rank = property(lambda self: self._arrays[1], lambda self, v: self._set(1, v))
+    num_tokens_per_rdma_rank = property(lambda self: self._get(1, 5), lambda self, v: self._set(1, v))
     num_tokens_per_expert = property(lambda self: self._get(2, 1), lambda self, v: self._set(2, v))
     is_token_in_rank = property(lambda self: self._get(3, 3), lambda self, v: self._set(3, v))
 
@@ -127,7 +137,7 @@ class LayoutPlan:
     new_owner: Callable[[], Any]  # allocates the layout's one allocation
     num_tokens: int
     num_experts: int
-    offsets: tuple[int, int, int, int, int]  # MadeLayout.offsets
+    offsets: tuple[int, int, int, int, int, int]  # MadeLayout.offsets
     counts_bytes: int  # of counts and invalid_ids to zero first (0: the kernel's single block stores them whole)
     grid: int
     shared_bytes: int
@@ -143,11 +153,11 @@ class Layout:
         self.module = load(LayoutSpec(), device)
 
     def plan(self, framework: str, kind: str, num_tokens: int, num_topk: int, num_experts: int) -> LayoutPlan:
-        offsets = MadeLayout.offsets(num_tokens, self.num_ranks, num_experts)
+        nodes = self.num_ranks // self.num_nvl_ranks
+        offsets = MadeLayout.offsets(num_tokens, self.num_ranks, num_experts, nodes)
         args = self.module.spec.args("dispatch_layout", num_tokens=num_tokens, num_topk=num_topk,
                                      num_experts=num_experts, num_ranks=self.num_ranks,
-                                     num_nvl_ranks=self.num_ranks, num_tokens_per_rdma_rank=0)
-        nodes = self.num_ranks // self.num_nvl_ranks
+                                     num_nvl_ranks=self.num_nvl_ranks)
         grid = max(1, (num_tokens + _BLOCK - 1) // _BLOCK)  # no tokens: one block still stores the zero counts
         new_owner = self.outputs.allocator(kind, (offsets[4],), self.outputs.dtype(kind, "uint8"))
         return LayoutPlan(framework, kind, new_owner, num_tokens, num_experts, offsets,
@@ -168,11 +178,13 @@ class Layout:
         stream = caller if on_caller else streams.comm_ptr
         owner = plan.new_owner()
         base = owner.data_ptr() if kind == "torch" else owner.data.ptr
+        nodes = self.num_ranks // self.num_nvl_ranks
         made = MadeLayout(owner, kind, plan.framework, plan.num_tokens, self.num_ranks, plan.num_experts, base,
-                          base + offsets[1], base + offsets[2], base + offsets[3])
+                          base + offsets[1], base + offsets[2], base + offsets[3], nodes)
         if plan.counts_bytes:
             _memset_async()(base, 0, plan.counts_bytes, stream)
         args = plan.args.set(topk_idx=idx_arg, num_tokens_per_rank=base, num_tokens_per_expert=made.per_expert_ptr,
+                             num_tokens_per_rdma_rank=base + offsets[5] if nodes > 1 else 0,
                              is_token_in_rank=made.in_rank_ptr, invalid_ids=made.invalid_ptr)
         self.module.launch(args, plan.grid, _BLOCK, shared_mem=plan.shared_bytes, stream=stream)
         if on_caller:
