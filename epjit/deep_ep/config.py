@@ -1,0 +1,85 @@
+"""DeepEP's ``Config`` for normal mode, carried onto epjit's :class:`epjit.Config`.
+
+DeepEP's Config holds five numbers: SMs, and the NVLink and RDMA chunk sizes in tokens. epjit's kernels take the
+same numbers under other names, so each DeepEP Config builds (and validates, at construction, as DeepEP's asserts
+do) the epjit Config a call runs with. Its buffer-size hints answer for epjit's kernels, whose buffer layout is not
+DeepEP's: a Buffer sized by them fits every call they promise.
+"""
+
+from __future__ import annotations
+
+from ..config import MAX_CHANNELS
+from ..config import Config as EpjitConfig
+from ..errors import ArgumentTypeError, check_int, with_rank
+from ..kernels.intranode import intranode_min_nvl_bytes
+
+# What get_nvl_buffer_size_hint assumes of the calls it sizes for (it is not told): the most top-k columns epjit's
+# normal mode takes, and local experts a rank (their per-expert counts are the only part that grows with them).
+HINT_MAX_TOPK = 32
+HINT_MAX_LOCAL_EXPERTS = 1024
+
+
+class Config:
+    """DeepEP's ``Config(num_sms, num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens,
+    num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens)`` with DeepEP's defaults.
+
+    ``num_sms`` is epjit's ``Config.num_sms`` (channels, one SM each); the NVLink chunks are epjit's
+    ``nvl_chunk_send`` / ``nvl_chunk_recv`` (epjit needs recv >= send + 23, DeepEP only recv > send); the RDMA
+    chunks are kept for the internode kernels epjit does not have yet. ``.epjit`` is the epjit Config.
+    """
+
+    __slots__ = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+                 "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens", "epjit")
+
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256, num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+        self.epjit = EpjitConfig(num_sms, num_max_nvl_chunked_send_tokens, num_max_nvl_chunked_recv_tokens,
+                                 num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens)
+        e = self.epjit  # the values as epjit checked them (ints)
+        self.num_sms = e.num_sms
+        self.num_max_nvl_chunked_send_tokens, self.num_max_nvl_chunked_recv_tokens = e.nvl_chunk_send, e.nvl_chunk_recv
+        self.num_max_rdma_chunked_send_tokens = e.rdma_chunk_send
+        self.num_max_rdma_chunked_recv_tokens = e.rdma_chunk_recv
+
+    @classmethod
+    def of(cls, config: EpjitConfig) -> Config:
+        """The DeepEP Config with an epjit Config's numbers (its warp-role fields kept in ``.epjit``)."""
+        made = cls(config.num_sms, config.nvl_chunk_send, config.nvl_chunk_recv, config.rdma_chunk_send,
+                   config.rdma_chunk_recv)
+        made.epjit = config
+        return made
+
+    def __repr__(self) -> str:
+        return (f"Config(num_sms={self.num_sms}, num_max_nvl_chunked_send_tokens={self.num_max_nvl_chunked_send_tokens}"
+                f", num_max_nvl_chunked_recv_tokens={self.num_max_nvl_chunked_recv_tokens}, "
+                f"num_max_rdma_chunked_send_tokens={self.num_max_rdma_chunked_send_tokens}, "
+                f"num_max_rdma_chunked_recv_tokens={self.num_max_rdma_chunked_recv_tokens})")
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """num_nvl_bytes that epjit's normal dispatch (bf16 or FP8) and combine of rows of ``hidden_bytes`` bytes
+        (2 a bf16 channel) need on ``num_ranks`` ranks with this config, for up to HINT_MAX_TOPK top-k columns and
+        HINT_MAX_LOCAL_EXPERTS local experts (DeepEP's own hint assumes an upper bound the same way)."""
+        hidden_bytes = check_int(hidden_bytes, "hidden_bytes", 1)
+        num_ranks = check_int(num_ranks, "num_ranks", 1)
+        hidden = -(-hidden_bytes // 2)  # bf16 channels: FP8 rows are smaller, and nvl_bytes sizes both
+        need = max(self.epjit.nvl_bytes(num_ranks, hidden, HINT_MAX_TOPK, HINT_MAX_LOCAL_EXPERTS * num_ranks, fp8)
+                   for fp8 in (False, True))
+        return max(need, intranode_min_nvl_bytes(num_ranks, MAX_CHANNELS))
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """0: epjit's normal mode runs inside one NVLink node and uses no RDMA buffer (DeepEP's hint is 0 there too;
+        across nodes a normal-mode Buffer is refused until epjit has internode kernels)."""
+        check_int(hidden_bytes, "hidden_bytes", 1)
+        check_int(num_ranks, "num_ranks", 1)
+        return 0
+
+
+def epjit_config(config: object) -> EpjitConfig | None:
+    """The epjit Config a call runs with: a DeepEP Config's, an epjit Config as it is, or None."""
+    if config is None or isinstance(config, EpjitConfig):
+        return config
+    if isinstance(config, Config):
+        return config.epjit
+    raise ArgumentTypeError(with_rank(f"config must be a deep_ep Config (epjit.deep_ep.Config) or an epjit.Config, "
+                                      f"got {type(config).__name__}"))
