@@ -137,6 +137,12 @@ class LowLatencyHandle:
     def layout_range(self) -> Any:
         return self.meta.view("layout_range")
 
+    @property
+    def topk_slot(self) -> Any:
+        """[L, R*max] int32: the top-k slot k each received row answers (combine's per-(token, k) slot at home);
+        epjit.autograd reads it to find the gate weight of a row."""
+        return self.meta.view("topk_slot")
+
 
 class LowLatencyDispatchResult:
     """x [L, R*max, H] float8_e4m3fn or bf16 (rows past recv_count[e] are garbage); x_scales [L, R*max, H/128]
