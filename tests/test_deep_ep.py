@@ -1,0 +1,636 @@
+"""CPU tier of epjit.deep_ep, DeepEP's V1 API over epjit: install() and the module aliases, DeepEP's signatures,
+Config and the size hints, how each call maps onto an epjit Buffer (a recording stand-in takes its place, so no GPU
+is touched), the tuples returned, EventOverlap, and the low-latency FP8 scales in DeepEP's layout against a slow
+exact reference of DeepEP's kernel's addressing. The tests that need torch skip without it and say so."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import epjit.deep_ep as deep_ep_api
+from epjit import ArgumentError, ArgumentTypeError, EpjitError, SetupError
+from epjit.config import Config as EpjitConfig
+from epjit.config import get_combine_config, get_dispatch_config
+from epjit.deep_ep import Buffer, Config, EventHandle, EventOverlap, LowLatencyHandle, NormalHandle
+from epjit.deep_ep import buffer as buffer_module
+from epjit.kernels.intranode import intranode_min_nvl_bytes
+from epjit.kernels.low_latency import low_latency_size_hint
+from epjit.ops.intranode import CombineResult, DispatchResult
+from epjit.ops.layout import DispatchLayout
+from epjit.ops.streams import Event
+
+REQUIRED = inspect.Parameter.empty
+
+
+def needs_torch():
+    return pytest.importorskip("torch", reason="torch is not installed: topk_idx_t and the FP8 scale conversion are not tested")
+
+
+# ---------------------------------------------------------------------------------------------------- install
+
+
+@pytest.fixture
+def clean_modules(monkeypatch):
+    """No deep_ep alias before the test, and none left after it."""
+    for name in ("deep_ep", "deep_ep.utils"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    yield
+    deep_ep_api.uninstall()
+
+
+def test_install_makes_deep_ep_and_deep_ep_utils_epjits_modules(clean_modules):
+    deep_ep_api.install()
+    deep_ep_api.install()  # a second call changes nothing
+    import deep_ep
+    from deep_ep import Buffer as B
+    from deep_ep import Config as C
+    from deep_ep.utils import EventHandle as H
+    from deep_ep.utils import EventOverlap as O
+
+    assert deep_ep is deep_ep_api and deep_ep_api.installed()
+    assert (B, C, H, O) == (Buffer, Config, EventHandle, EventOverlap)
+    assert sys.modules["deep_ep.utils"] is deep_ep_api.utils
+    deep_ep_api.uninstall()
+    assert "deep_ep" not in sys.modules and not deep_ep_api.installed()
+
+
+def test_install_refuses_where_a_real_deep_ep_is_imported(clean_modules, monkeypatch):
+    real = types.ModuleType("deep_ep")
+    real.__file__ = "/site-packages/deep_ep/__init__.py"
+    monkeypatch.setitem(sys.modules, "deep_ep", real)
+    with pytest.raises(SetupError, match=r"a module 'deep_ep' is already imported \(/site-packages/deep_ep/"):
+        deep_ep_api.install()
+    assert sys.modules["deep_ep"] is real and "deep_ep.utils" not in sys.modules  # nothing changed
+
+
+def test_topk_idx_t_is_int64():
+    torch = needs_torch()
+    assert deep_ep_api.topk_idx_t is torch.int64
+
+
+# ---------------------------------------------------------------------------------------------------- signatures
+
+# DeepEP's V1 signatures (deep_ep/buffers/legacy.py, utils/event.py, the Config binding), written out here.
+DEEPEP_SIGNATURES = {
+    (Buffer, "__init__"): [("group", REQUIRED), ("num_nvl_bytes", 0), ("num_rdma_bytes", 0),
+                           ("low_latency_mode", False), ("num_qps_per_rank", 24),
+                           ("allow_nvlink_for_low_latency_mode", True), ("allow_mnnvl", False),
+                           ("explicitly_destroy", False), ("enable_shrink", False), ("comm", None)],
+    (Buffer, "destroy"): [],
+    (Buffer, "is_sm90_compiled"): [],
+    (Buffer, "set_num_sms"): [("new_num_sms", REQUIRED)],
+    (Buffer, "capture"): [],
+    (Buffer, "get_low_latency_rdma_size_hint"): [("num_max_dispatch_tokens_per_rank", REQUIRED),
+                                                 ("hidden", REQUIRED), ("num_ranks", REQUIRED),
+                                                 ("num_experts", REQUIRED)],
+    (Buffer, "get_comm_stream"): [],
+    (Buffer, "get_local_buffer_tensor"): [("dtype", REQUIRED), ("size", None), ("offset", 0),
+                                          ("use_rdma_buffer", False)],
+    (Buffer, "get_dispatch_config"): [("num_ranks", REQUIRED)],
+    (Buffer, "get_combine_config"): [("num_ranks", REQUIRED)],
+    (Buffer, "get_dispatch_layout"): [("topk_idx", REQUIRED), ("num_experts", REQUIRED), ("previous_event", None),
+                                      ("async_finish", False), ("allocate_on_comm_stream", False)],
+    (Buffer, "dispatch"): [("x", REQUIRED), ("handle", None), ("num_tokens_per_rank", None),
+                           ("num_tokens_per_rdma_rank", None), ("is_token_in_rank", None),
+                           ("num_tokens_per_expert", None), ("topk_idx", None), ("topk_weights", None),
+                           ("expert_alignment", 1), ("num_worst_tokens", 0), ("config", None),
+                           ("previous_event", None), ("async_finish", False), ("allocate_on_comm_stream", False)],
+    (Buffer, "combine"): [("x", REQUIRED), ("handle", REQUIRED), ("topk_weights", None), ("bias", None),
+                          ("config", None), ("previous_event", None), ("async_finish", False),
+                          ("allocate_on_comm_stream", False)],
+    (Buffer, "clean_low_latency_buffer"): [("num_max_dispatch_tokens_per_rank", REQUIRED), ("hidden", REQUIRED),
+                                           ("num_experts", REQUIRED)],
+    (Buffer, "low_latency_dispatch"): [("x", REQUIRED), ("topk_idx", REQUIRED),
+                                       ("num_max_dispatch_tokens_per_rank", REQUIRED), ("num_experts", REQUIRED),
+                                       ("cumulative_local_expert_recv_stats", None),
+                                       ("dispatch_wait_recv_cost_stats", None), ("use_fp8", True),
+                                       ("round_scale", False), ("use_ue8m0", False), ("async_finish", False),
+                                       ("return_recv_hook", False)],
+    (Buffer, "low_latency_combine"): [("x", REQUIRED), ("topk_idx", REQUIRED), ("topk_weights", REQUIRED),
+                                      ("handle", REQUIRED), ("use_logfmt", False), ("zero_copy", False),
+                                      ("async_finish", False), ("return_recv_hook", False), ("out", None),
+                                      ("combine_wait_recv_cost_stats", None)],
+    (Buffer, "low_latency_update_mask_buffer"): [("rank_to_mask", REQUIRED), ("mask", False)],
+    (Buffer, "low_latency_query_mask_buffer"): [("mask_status", REQUIRED)],
+    (Buffer, "low_latency_clean_mask_buffer"): [],
+    (Buffer, "get_next_low_latency_combine_buffer"): [("handle", REQUIRED)],
+    (Config, "__init__"): [("num_sms", 20), ("num_max_nvl_chunked_send_tokens", 6),
+                           ("num_max_nvl_chunked_recv_tokens", 256), ("num_max_rdma_chunked_send_tokens", 6),
+                           ("num_max_rdma_chunked_recv_tokens", 256)],
+    (Config, "get_nvl_buffer_size_hint"): [("hidden_bytes", REQUIRED), ("num_ranks", REQUIRED)],
+    (Config, "get_rdma_buffer_size_hint"): [("hidden_bytes", REQUIRED), ("num_ranks", REQUIRED)],
+    (EventHandle, "__init__"): [],
+    (EventHandle, "current_stream_wait"): [],
+    (EventOverlap, "__init__"): [("event", None), ("extra_tensors", None)],
+    (EventOverlap, "current_stream_wait"): [("release_handle", False)],
+    (EventOverlap, "register_hook_after_wait"): [("hook_after_wait", REQUIRED)],
+    (EventOverlap, "__call__"): [("release_handle", False)],
+}
+STATIC = {"is_sm90_compiled", "set_num_sms", "capture", "get_low_latency_rdma_size_hint", "get_dispatch_config",
+          "get_combine_config"}
+
+
+@pytest.mark.parametrize("cls, name", list(DEEPEP_SIGNATURES), ids=lambda v: getattr(v, "__name__", v))
+def test_signatures_are_deepeps(cls, name):
+    params = list(inspect.signature(getattr(cls, name)).parameters.values())
+    if name not in STATIC:
+        assert params[0].name == "self"
+        params = params[1:]
+    else:
+        assert isinstance(inspect.getattr_static(cls, name), staticmethod)
+    assert [(p.name, p.default) for p in params] == DEEPEP_SIGNATURES[(cls, name)]
+    assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in params)  # DeepEP's callers pass them either way
+
+
+# ---------------------------------------------------------------------------------------------------- Config
+
+
+def test_config_carries_deepeps_fields_onto_epjits_config():
+    c = Config(16, 8, 288, 12, 128)
+    assert (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,
+            c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens) == (16, 8, 288, 12, 128)
+    assert c.epjit == EpjitConfig(16, 8, 288, 12, 128)
+    assert Config().epjit == EpjitConfig(20, 6, 256, 6, 256)  # DeepEP's defaults
+    with pytest.raises(ArgumentError, match=r"Config\.nvl_chunk_recv=16 must be >= nvl_chunk_send \+ 23"):
+        Config(24, 6, 16)  # DeepEP takes it; epjit's combine readers need the room (a clear error at once)
+    with pytest.raises(ArgumentTypeError, match="Config.num_sms must be an int"):
+        Config(24.0)
+
+
+def test_size_hints_answer_for_epjits_kernels():
+    for ranks in (2, 4, 8):
+        for config in (Buffer.get_dispatch_config(ranks), Buffer.get_combine_config(ranks), Config()):
+            hint = config.get_nvl_buffer_size_hint(7168 * 2, ranks)
+            want = max(config.epjit.nvl_bytes(ranks, 7168, 32, 1024 * ranks, fp8) for fp8 in (False, True))
+            assert hint == max(want, intranode_min_nvl_bytes(ranks, 128))
+            # enough for what a model sends: top-8 of 256 experts, bf16 and FP8
+            assert hint >= max(config.epjit.nvl_bytes(ranks, 7168, 8, 256, fp8) for fp8 in (False, True))
+            assert config.get_rdma_buffer_size_hint(7168 * 2, ranks) == 0
+    assert Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256) == low_latency_size_hint(128, 7168, 8, 256)
+    with pytest.raises(ArgumentError, match="hidden_bytes must be an int >= 1, got 0"):
+        Config().get_nvl_buffer_size_hint(0, 8)
+
+
+def test_default_configs_are_epjits_with_buffer_num_sms(monkeypatch):
+    assert Buffer.num_sms == 24
+    for ranks in (2, 4, 8):
+        assert Buffer.get_dispatch_config(ranks).epjit == get_dispatch_config(ranks)
+        assert Buffer.get_combine_config(ranks).epjit == get_combine_config(ranks)
+    assert Buffer.get_dispatch_config(16).epjit == EpjitConfig()  # no normal mode there: hints only
+    monkeypatch.setattr(Buffer, "num_sms", Buffer.num_sms)
+    Buffer.set_num_sms(10)
+    assert Buffer.num_sms == 10 and Buffer.get_dispatch_config(8).num_sms == 10
+    for bad, error in ((0, ArgumentError), (129, ArgumentError), (8.0, ArgumentTypeError)):
+        with pytest.raises(error, match="new_num_sms"):
+            Buffer.set_num_sms(bad)
+
+
+# ---------------------------------------------------------------------------------------------------- stand-ins
+
+
+class FakeEpjitBuffer:
+    """Records what each epjit call got and returns results of the right types (made from NumPy arrays)."""
+
+    def __init__(self, group, **kwargs):
+        self.group, self.kwargs, self.calls, self.closed = group, kwargs, [], False
+        self.comm_stream = SimpleNamespace(ptr=1234)
+        self.low_latency_hook_ran = False
+
+    def _record(self, name, *args, **kwargs):
+        self.calls.append((name, args, kwargs))
+
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False):
+        self._record("get_dispatch_layout", topk_idx, num_experts, previous_event=previous_event,
+                     async_finish=async_finish)
+        n, r = topk_idx.shape[0], self.group.size
+        return DispatchLayout(np.zeros(r, np.int32), None, np.zeros(num_experts, np.int32),
+                              np.zeros((n, r), np.bool_), event=Event(None, 0))
+
+    def dispatch(self, x, **kwargs):
+        self._record("dispatch", x, **kwargs)
+        fp8 = isinstance(x, tuple)
+        return DispatchResult(np.zeros((5, 16)), np.ones((5, 1)) if fp8 else None, "recv_topk_idx",
+                              "recv_topk_weights", [3, 2], "epjit-handle", Event(None, 0))
+
+    def combine(self, y, handle, **kwargs):
+        self._record("combine", y, handle, **kwargs)
+        return CombineResult("combined_x", "combined_weights" if kwargs["topk_weights"] is not None else None,
+                             Event(None, 0))
+
+    def low_latency_dispatch(self, x, topk_idx, num_max, num_experts, **kwargs):
+        self._record("low_latency_dispatch", x, topk_idx, num_max, num_experts, **kwargs)
+        local, rows, hidden = num_experts // self.group.size, self.group.size * num_max, x.shape[1]
+        handle = SimpleNamespace(src_info="src_info", layout_range="layout_range",
+                                 num_max_dispatch_tokens_per_rank=num_max, hidden=hidden, num_experts=num_experts)
+        scales = self.make_scales(local, rows, hidden, kwargs) if kwargs["use_fp8"] else None
+        hook = None
+        if kwargs["return_recv_hook"]:
+            def hook():
+                self.low_latency_hook_ran = True
+                if scales is not None:
+                    scales.add_(1)  # what the receive half writes: the copy must come after it
+        return SimpleNamespace(x="recv_x", x_scales=scales, recv_count="recv_count", handle=handle,
+                               event=Event(None, 0), hook=hook)
+
+    @staticmethod
+    def make_scales(local, rows, hidden, kwargs):
+        torch = sys.modules["torch"]
+        g = torch.Generator().manual_seed(local * rows + hidden)
+        if kwargs["use_ue8m0"]:
+            return torch.randint(0, 256, (local, rows, hidden // 128), dtype=torch.uint8, generator=g)
+        return torch.rand((local, rows, hidden // 128), generator=g)
+
+    def low_latency_combine(self, y, topk_idx, topk_weights, handle, **kwargs):
+        self._record("low_latency_combine", y, topk_idx, topk_weights, handle, **kwargs)
+        return SimpleNamespace(x="combined_x", event=Event(None, 0), hook=None)
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        self._record("get_next_low_latency_combine_buffer", handle)
+        return "combine_buffer"
+
+    def clean_low_latency_buffer(self, *args):
+        self._record("clean_low_latency_buffer", *args)
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def made(monkeypatch):
+    """Every epjit Buffer the DeepEP Buffer makes, in order (stand-ins), over a group of 2 ranks."""
+    buffers = []
+
+    def new(group, **kwargs):
+        buffers.append(FakeEpjitBuffer(group, **kwargs))
+        return buffers[-1]
+
+    group = SimpleNamespace(rank=1, size=2, device=0)
+    monkeypatch.setattr(buffer_module, "_new_epjit_buffer", new)
+    original = buffer_module._make_group
+    monkeypatch.setattr(buffer_module, "_make_group",
+                        lambda g, comm: group if g is not None or comm is not None else original(g, comm))
+    monkeypatch.setattr(Buffer, "num_sms", Buffer.num_sms)
+    return buffers
+
+
+def _ints(*shape):
+    return np.zeros(shape, np.int64)
+
+
+# ---------------------------------------------------------------------------------------------------- construction
+
+
+def test_construction_makes_a_normal_buffer_or_waits_for_the_low_latency_sizes(made, monkeypatch):
+    pg = object()
+    b = Buffer(pg, 1 << 20, 0)
+    assert (b.group, b.rank, b.group_size, b.num_nvl_bytes, b.low_latency_mode) == (pg, 1, 2, 1 << 20, False)
+    assert len(made) == 1 and made[0].kwargs == {"num_nvl_bytes": 1 << 20}
+    ll = Buffer(pg, 0, 4096, low_latency_mode=True, num_qps_per_rank=12, allow_nvlink_for_low_latency_mode=False,
+                allow_mnnvl=True, explicitly_destroy=True)
+    assert len(made) == 1 and ll.num_rdma_bytes == 4096  # the low-latency Buffer comes with the first call
+    both = Buffer(pg, 1 << 20, 4096, low_latency_mode=True)
+    assert len(made) == 2 and both._normal is made[1]
+    with pytest.raises(NotImplementedError, match=r"enable_shrink=True is not available .*rank masking"):
+        Buffer(pg, 1 << 20, enable_shrink=True)
+    with pytest.raises(ArgumentTypeError, match="low_latency_mode must be True or False"):
+        Buffer(pg, 1 << 20, low_latency_mode="False")
+    monkeypatch.undo()
+    with pytest.raises(ArgumentError, match="Buffer needs group .* or comm"):
+        Buffer(None)
+
+
+def test_a_group_of_several_nvlink_nodes_is_refused_by_epjits_buffer():
+    """The normal-mode Buffer is epjit's, made at construction, so it raises epjit's SetupError (here from the
+    real epjit.Buffer's size check, reached without any GPU work)."""
+    from epjit.buffer import Buffer as EpjitBuffer
+
+    stand_in = SimpleNamespace(group=SimpleNamespace(size=16, num_nvl_ranks=8))
+    with pytest.raises(SetupError, match="normal mode across NVLink nodes is not available yet"):
+        EpjitBuffer._check_normal_sizes(stand_in, 1 << 30)
+
+
+# ---------------------------------------------------------------------------------------------------- normal mode
+
+
+def test_get_dispatch_layout_returns_deepeps_tuple_and_maps_events(made):
+    b = Buffer(object(), 1 << 20)
+    inner = made[0]
+    out = b.get_dispatch_layout(_ints(7, 4), 16)
+    assert len(out) == 5 and out[1] is None and out[3].shape == (7, 2)
+    assert isinstance(out[4], EventOverlap) and out[4].event is None  # async_finish=False: no event, as DeepEP
+    previous = Event(None, 0)
+    out = b.get_dispatch_layout(_ints(7, 4), 16, previous_event=EventOverlap(EventHandle.of(previous)),
+                                async_finish=True, allocate_on_comm_stream=True)
+    name, args, kwargs = inner.calls[-1]
+    assert (name, args[1], kwargs) == ("get_dispatch_layout", 16, {"previous_event": previous, "async_finish": True})
+    assert isinstance(out[4].event, EventHandle) and isinstance(out[4].event.event, Event)
+    b.get_dispatch_layout(_ints(7, 4), 16, previous_event=EventOverlap(None))
+    assert inner.calls[-1][2]["previous_event"] is None
+    with pytest.raises(ArgumentTypeError, match="previous_event must be an EventOverlap"):
+        b.get_dispatch_layout(_ints(7, 4), 16, previous_event="event")
+
+
+def test_dispatch_reads_get_dispatch_layouts_own_layout_and_returns_deepeps_tuple(made):
+    b = Buffer(object(), 1 << 20)
+    inner = made[0]
+    per_rank, per_rdma, per_expert, in_rank, _ = b.get_dispatch_layout(_ints(7, 4), 16)
+    made_layout = b._layouts[id(in_rank)]
+    x, idx, w = np.zeros((7, 16)), _ints(7, 4), np.zeros((7, 4), np.float32)
+    out = b.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                     num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, expert_alignment=128,
+                     num_worst_tokens=64, previous_event=None, async_finish=True, allocate_on_comm_stream=True)
+    name, args, kw = inner.calls[-1]
+    assert name == "dispatch" and args[0] is x and kw["layout"] is made_layout  # through its addresses
+    assert (kw["topk_idx"], kw["topk_weights"], kw["expert_alignment"], kw["num_worst_tokens"]) == (idx, w, 128, 64)
+    assert (kw["config"], kw["previous_event"], kw["async_finish"]) == (None, None, True)
+    recv_x, recv_idx, recv_w, counts, handle, event = out
+    assert recv_x.shape == (5, 16) and (recv_idx, recv_w, counts) == ("recv_topk_idx", "recv_topk_weights", [3, 2])
+    assert isinstance(handle, NormalHandle) and handle.handle == "epjit-handle"
+    assert isinstance(event.event, EventHandle)
+
+    # arrays that are not get_dispatch_layout's: a layout built from them, which epjit checks
+    mine = (np.ones(2, np.int32), np.ones(16, np.int32), np.ones((7, 2), np.bool_))
+    b.dispatch(x, num_tokens_per_rank=mine[0], num_tokens_per_expert=mine[1], is_token_in_rank=mine[2])
+    layout = inner.calls[-1][2]["layout"]
+    assert layout is not made_layout and layout.made is None
+    assert (layout.num_tokens_per_rank, layout.num_tokens_per_expert, layout.is_token_in_rank) == mine
+    with pytest.raises(ArgumentError, match="needs num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert"):
+        b.dispatch(x, topk_idx=idx)
+
+
+def test_dispatch_fp8_returns_a_pair_and_a_handle_replays_the_routing(made):
+    b = Buffer(object(), 1 << 20)
+    inner = made[0]
+    per_rank, per_rdma, per_expert, in_rank, _ = b.get_dispatch_layout(_ints(7, 4), 16)
+    fp8 = (np.zeros((7, 128), np.uint8), np.ones((7, 1), np.float32))
+    recv, *_, handle, _ = b.dispatch(fp8, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                     num_tokens_per_expert=per_expert)
+    assert isinstance(recv, tuple) and len(recv) == 2
+    previous = Event(None, 0)
+    out = b.dispatch(fp8, handle=handle, config=Config(12, 6, 256),
+                     previous_event=EventOverlap(EventHandle.of(previous)))
+    name, args, kw = inner.calls[-1]
+    assert kw == {"handle": "epjit-handle", "config": EpjitConfig(12, 6, 256, 6, 256), "previous_event": previous,
+                  "async_finish": False}
+    assert out[1:5] == (None, None, None, None) and isinstance(out[0], tuple) and out[5].event is None
+    with pytest.raises(ArgumentError, match="topk_idx and topk_weights must be None"):
+        b.dispatch(fp8, handle=handle, topk_idx=_ints(7, 4))
+    with pytest.raises(ArgumentError, match="dispatch: handle must be the handle a dispatch of this Buffer"):
+        b.dispatch(fp8, handle=("a", "tuple"))
+
+
+def test_combine_maps_onto_epjits_combine(made):
+    b = Buffer(object(), 1 << 20)
+    inner = made[0]
+    handle = NormalHandle("epjit-handle")
+    y, w, bias = np.zeros((5, 16)), np.zeros((5, 4), np.float32), (np.zeros((7, 16)), np.zeros((7, 16)))
+    x, weights, event = b.combine(x=y, handle=handle, topk_weights=w, bias=bias, config=Config(20, 6, 256),
+                                  async_finish=True)
+    name, args, kw = inner.calls[-1]
+    assert args == (y, "epjit-handle") and kw["topk_weights"] is w and kw["bias"] is bias
+    assert kw["config"] == EpjitConfig(20, 6, 256, 6, 256) and kw["async_finish"] is True
+    assert (x, weights) == ("combined_x", "combined_weights") and isinstance(event.event, EventHandle)
+    assert b.combine(y, handle)[1] is None
+    with pytest.raises(ArgumentTypeError, match="config must be a deep_ep Config"):
+        b.combine(y, handle, config={"num_sms": 20})
+
+
+def test_calls_without_a_config_follow_set_num_sms(made):
+    b = Buffer(object(), 1 << 20)
+    inner = made[0]
+    b.combine(np.zeros((5, 16)), NormalHandle("h"))
+    assert inner.calls[-1][2]["config"] is None  # epjit's own default: the same 24 SMs and chunks
+    Buffer.set_num_sms(16)
+    b.combine(np.zeros((5, 16)), NormalHandle("h"))
+    assert inner.calls[-1][2]["config"] == Buffer.get_combine_config(2).epjit and Buffer.num_sms == 16
+    b.dispatch(np.zeros((5, 16)), handle=NormalHandle("h"))
+    assert inner.calls[-1][2]["config"].num_sms == 16
+
+
+def test_normal_calls_on_a_low_latency_only_buffer_say_what_is_missing(made):
+    b = Buffer(object(), 0, 1 << 20, low_latency_mode=True)
+    with pytest.raises(ArgumentError, match="no NVLink buffer for normal mode"):
+        b.get_dispatch_layout(_ints(7, 4), 16)
+    for call in (b.internode_dispatch, b.internode_combine):
+        with pytest.raises(NotImplementedError, match="no normal mode across NVLink nodes yet"):
+            call()
+
+
+# ---------------------------------------------------------------------------------------------------- low latency
+
+
+def test_the_low_latency_buffer_is_made_at_the_first_call_with_its_sizes(made):
+    b = Buffer(object(), 0, 1 << 24, low_latency_mode=True)
+    x, idx = np.zeros((3, 256)), _ints(3, 4)
+    recv_x, count, handle, event, hook = b.low_latency_dispatch(x, idx, 32, 8, use_fp8=False)
+    assert len(made) == 1 and made[0].kwargs == {"num_rdma_bytes": 1 << 24, "low_latency_mode": True,
+                                                 "num_max_dispatch_tokens_per_rank": 32, "hidden": 256,
+                                                 "num_experts": 8}
+    assert (recv_x, count, hook, event.event) == ("recv_x", "recv_count", None, None)
+    assert isinstance(handle, LowLatencyHandle) and list(handle) == ["src_info", "layout_range", 32, 256, 8]
+    src_info, layout_range, m, h, e = handle  # DeepEP's callers unpack it
+    assert (handle[1], len(handle)) == ("layout_range", 5)
+    b.low_latency_dispatch(x, idx, 32, 8, use_fp8=False)
+    assert len(made) == 1  # the same one
+    with pytest.raises(ArgumentError, match=r"set up at its first call for .* = \(32, 256, 8\); this call has "
+                                            r"\(64, 256, 8\)"):
+        b.low_latency_dispatch(x, idx, 64, 8, use_fp8=False)
+    b.clean_low_latency_buffer(32, 256, 8)
+    assert made[0].calls[-1] == ("clean_low_latency_buffer", (32, 256, 8), {})
+
+
+def test_clean_low_latency_buffer_first_sets_up_low_latency_mode(made):
+    b = Buffer(object(), 0, 0, low_latency_mode=True)
+    b.clean_low_latency_buffer(16, 512, 4)
+    assert len(made) == 1 and made[0].kwargs["num_max_dispatch_tokens_per_rank"] == 16 and not made[0].calls
+    normal = Buffer(object(), 1 << 20)
+    with pytest.raises(ArgumentError, match="made with low_latency_mode=False"):
+        normal.low_latency_dispatch(np.zeros((3, 256)), _ints(3, 4), 32, 8)
+    with pytest.raises(ArgumentError, match="no low_latency_dispatch has run on this Buffer yet"):
+        normal.low_latency_combine(np.zeros(1), _ints(3, 4), np.zeros((3, 4)), None)
+
+
+def test_low_latency_arguments_map_onto_epjits(made):
+    b = Buffer(object(), 0, 0, low_latency_mode=True)
+    x, idx, stats = np.zeros((3, 256)), _ints(3, 4), np.zeros(4, np.int32)
+    _, _, handle, event, _ = b.low_latency_dispatch(x, idx, 32, 8, cumulative_local_expert_recv_stats=stats,
+                                                    use_fp8=False, async_finish=True)
+    inner = made[0]
+    name, args, kw = inner.calls[-1]
+    assert args == (x, idx, 32, 8) and kw["cumulative_local_expert_recv_stats"] is stats
+    assert (kw["use_fp8"], kw["round_scale"], kw["use_ue8m0"], kw["async_finish"], kw["return_recv_hook"]) == (
+        False, False, False, True, False)
+    assert isinstance(event.event, EventHandle)
+    y, w, out = np.zeros((4, 64, 256)), np.zeros((3, 4), np.float32), np.zeros((3, 256))
+    combined, event, hook = b.low_latency_combine(y, idx, w, handle, zero_copy=True, return_recv_hook=True, out=out)
+    name, args, kw = inner.calls[-1]
+    assert args == (y, idx, w, handle.handle)
+    assert kw == {"zero_copy": True, "out": out, "return_recv_hook": True, "async_finish": False}
+    assert (combined, event.event, hook) == ("combined_x", None, None)
+    assert b.get_next_low_latency_combine_buffer(handle) == "combine_buffer"
+    assert inner.calls[-1] == ("get_next_low_latency_combine_buffer", (handle.handle,), {})
+    with pytest.raises(ArgumentError, match="low_latency_combine: handle must be the handle a low_latency_dispatch"):
+        b.low_latency_combine(y, idx, w, ("src_info", "layout_range", 32, 256, 8))
+
+
+def test_what_epjit_lacks_is_refused_by_name(made):
+    b = Buffer(object(), 0, 0, low_latency_mode=True)
+    x, idx = np.zeros((3, 256)), _ints(3, 4)
+    refusals = {
+        "dispatch_wait_recv_cost_stats": lambda: b.low_latency_dispatch(x, idx, 32, 8,
+                                                                        dispatch_wait_recv_cost_stats=_ints(2)),
+        "use_logfmt=True": lambda: b.low_latency_combine(x, idx, idx, None, use_logfmt=True),
+        "combine_wait_recv_cost_stats": lambda: b.low_latency_combine(x, idx, idx, None,
+                                                                      combine_wait_recv_cost_stats=_ints(2)),
+        "low_latency_update_mask_buffer": lambda: b.low_latency_update_mask_buffer(1, True),
+        "low_latency_query_mask_buffer": lambda: b.low_latency_query_mask_buffer(_ints(2)),
+        "low_latency_clean_mask_buffer": b.low_latency_clean_mask_buffer,
+        "get_local_buffer_tensor": lambda: b.get_local_buffer_tensor(None),
+    }
+    for what, call in refusals.items():
+        with pytest.raises(NotImplementedError, match=f"^{what} is not available in epjit's DeepEP API"):
+            call()
+    assert not made  # none of them made the low-latency Buffer
+    for call in (lambda: b.low_latency_dispatch(x, idx, 32, 8, async_finish=True, return_recv_hook=True),
+                 lambda: b.low_latency_combine(x, idx, idx, None, async_finish=True, return_recv_hook=True)):
+        with pytest.raises(ArgumentError, match="async_finish=True and return_recv_hook=True cannot be combined"):
+            call()
+    with pytest.raises(ArgumentError, match="hidden must be a multiple of 512, got hidden=384"):
+        b.low_latency_dispatch(np.zeros((3, 384)), idx, 32, 8, round_scale=True, use_ue8m0=True)
+    assert not made  # refused before any kernel (or Buffer)
+    with pytest.raises(ArgumentError, match="has no communication stream yet"):
+        b.get_comm_stream()
+
+
+def test_destroy_closes_both_buffers_once(made):
+    b = Buffer(object(), 1 << 20, 0, low_latency_mode=True, explicitly_destroy=True)
+    b.low_latency_dispatch(np.zeros((3, 256)), _ints(3, 4), 32, 8, use_fp8=False)
+    normal, ll = made
+    b.destroy()
+    b.destroy()
+    assert normal.closed and ll.closed
+    with pytest.raises(EpjitError, match="was destroyed"):
+        b.get_dispatch_layout(_ints(7, 4), 16)
+    with pytest.raises(EpjitError, match="was destroyed"):
+        b.low_latency_dispatch(np.zeros((3, 256)), _ints(3, 4), 32, 8)
+
+
+# ---------------------------------------------------------------------------------------------------- events
+
+
+class CountingHandle(EventHandle):
+    waits = 0
+
+    def current_stream_wait(self):
+        type(self).waits += 1
+
+
+def test_event_overlap_waits_as_deepeps_does(monkeypatch):
+    monkeypatch.setattr(CountingHandle, "waits", 0)
+    overlap = EventOverlap(CountingHandle.of(Event(None, 0)), extra_tensors=("kept",))
+    assert overlap.extra_tensors == ("kept",)
+    ran = []
+    overlap.register_hook_after_wait(lambda: ran.append(1))
+    with pytest.raises(ArgumentError, match="a hook is already registered"):
+        overlap.register_hook_after_wait(lambda: None)
+    with overlap:
+        assert CountingHandle.waits == 0
+    assert CountingHandle.waits == 1 and ran == [1]
+    overlap.current_stream_wait()
+    assert CountingHandle.waits == 2 and ran == [1]  # the hook runs once
+    with overlap(release_handle=True):
+        pass
+    assert CountingHandle.waits == 3 and overlap.event is None
+    with overlap:  # no event: nothing to wait for
+        pass
+    with pytest.raises(ArgumentError, match="holds no event: the call that returned it ran with async_finish=False"):
+        overlap.current_stream_wait()
+    with pytest.raises(ArgumentTypeError, match="must be an EventHandle or None"):
+        EventOverlap(Event(None, 0))
+    with pytest.raises(ArgumentTypeError, match="EventHandle.of needs an epjit Event"):
+        EventHandle.of("event")
+
+
+# ---------------------------------------------------------------------------------------------------- FP8 scales
+
+
+def deepep_scale_storage(scales: np.ndarray, use_ue8m0: bool) -> np.ndarray:
+    """What DeepEP's low-latency receive writes, element by element, as its kernel addresses it: scale s of token t
+    of local expert e goes to (in scale_t units) e*rows*S' + t*P + (s // P)*rows*P + s % P, with P the scales a
+    packed word holds (4 UE8M0 bytes an int32, 1 float) and S' the scales rounded up to P."""
+    num_local, rows, groups = scales.shape
+    pack = 4 if use_ue8m0 else 1
+    aligned = -(-groups // pack) * pack
+    out = np.zeros(num_local * rows * aligned, dtype=scales.dtype)
+    for e in range(num_local):
+        for t in range(rows):
+            for s in range(groups):
+                out[e * rows * aligned + t * pack + (s // pack) * rows * pack + s % pack] = scales[e, t, s]
+    return out
+
+
+@pytest.mark.parametrize("use_ue8m0", [False, True], ids=["float32", "ue8m0"])
+@pytest.mark.parametrize("shape", [(1, 4, 4), (2, 8, 8), (3, 20, 56), (4, 64, 16)])
+def test_scales_in_deepeps_layout_match_its_kernels_addressing_exactly(shape, use_ue8m0):
+    torch = needs_torch()
+    from epjit.deep_ep.scales import deepgemm_scales
+
+    g = torch.Generator().manual_seed(sum(shape))
+    if use_ue8m0:
+        scales = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    else:
+        scales = torch.rand(shape, generator=g) * 2.0 ** torch.randint(-20, 20, shape, generator=g)
+    out = deepgemm_scales(scales, use_ue8m0)
+    num_local, rows, groups = shape
+    packed = groups // 4 if use_ue8m0 else groups
+    assert out.dtype == (torch.int32 if use_ue8m0 else torch.float32)
+    assert tuple(out.shape) == (num_local, rows, packed)
+    assert out.stride() == (packed * rows, 1, rows)  # column-major in the last two dimensions, as DeepEP's
+    storage = out.transpose(1, 2).contiguous().flatten()  # the elements in memory order
+    want = deepep_scale_storage(scales.numpy(), use_ue8m0)
+    got = storage.view(torch.uint8).numpy() if use_ue8m0 else storage.numpy()
+    assert got.tobytes() == want.tobytes()
+    if use_ue8m0:  # and each int32 holds exponents 4g..4g+3, the first in its low byte (DeepGEMM's reading)
+        word = int(out[0, rows - 1, packed - 1]) & 0xFFFFFFFF
+        assert [(word >> (8 * j)) & 0xFF for j in range(4)] == scales[0, rows - 1, groups - 4:].tolist()
+    else:
+        assert torch.equal(out, scales)
+
+
+def test_scales_conversion_refuses_what_it_cannot_pack():
+    torch = needs_torch()
+    from epjit.deep_ep.scales import deepgemm_scales
+
+    with pytest.raises(ArgumentError, match="hidden must be a multiple of 512, got hidden=768"):
+        deepgemm_scales(torch.zeros((1, 4, 6), dtype=torch.uint8), True)
+    with pytest.raises(ArgumentTypeError, match="scales of type ndarray"):
+        deepgemm_scales(np.zeros((1, 4, 4), np.float32), False)
+
+
+@pytest.mark.parametrize("use_ue8m0", [False, True], ids=["float32", "ue8m0"])
+def test_low_latency_fp8_dispatch_returns_deepeps_scales(made, use_ue8m0):
+    torch = needs_torch()
+    from epjit.deep_ep.scales import deepgemm_scales
+
+    b = Buffer(object(), 0, 0, low_latency_mode=True)
+    x, idx = torch.zeros((3, 512)), torch.zeros((3, 4), dtype=torch.int64)
+    (recv_x, scales), count, _, event, hook = b.low_latency_dispatch(x, idx, 32, 8, round_scale=use_ue8m0,
+                                                                     use_ue8m0=use_ue8m0)
+    epjit_scales = FakeEpjitBuffer.make_scales(4, 64, 512, {"use_ue8m0": use_ue8m0})
+    assert recv_x == "recv_x" and hook is None and event.event is None
+    assert torch.equal(scales, deepgemm_scales(epjit_scales, use_ue8m0)) and scales.stride() == (64 * scales.shape[2],
+                                                                                                  1, 64)
+
+    # With the receive hook the scales are valid after it: the copy runs in the hook, after the receive half.
+    (_, scales), _, _, _, hook = b.low_latency_dispatch(x, idx, 32, 8, round_scale=use_ue8m0, use_ue8m0=use_ue8m0,
+                                                        return_recv_hook=True)
+    assert not made[0].low_latency_hook_ran
+    hook()
+    assert made[0].low_latency_hook_ran
+    assert torch.equal(scales, deepgemm_scales(epjit_scales.add_(1), use_ue8m0))
