@@ -29,7 +29,8 @@ REQUIRED = inspect.Parameter.empty
 
 
 def needs_torch():
-    return pytest.importorskip("torch", reason="torch is not installed: topk_idx_t and the FP8 scale conversion are not tested")
+    return pytest.importorskip("torch", reason="torch is not installed: topk_idx_t and the FP8 scale conversion "
+                                               "are not tested")
 
 
 # ---------------------------------------------------------------------------------------------------- install

@@ -1,0 +1,208 @@
+"""Run by every rank under torchrun: DeepEP's V1 API (epjit.deep_ep, installed as ``deep_ep``) driven the way
+framework code drives DeepEP, checked against epjit.reference.
+
+- Megatron-LM's fused_a2a: the buffer sized by Config's hints, ``EventOverlap(EventHandle())`` as previous_event,
+  async_finish and allocate_on_comm_stream, layout then dispatch, ``current_stream_wait()``, combine with the
+  received weights (dispatch's backward), and a dispatch that replays the handle (combine's backward);
+- vLLM's DeepEP high-throughput path: FP8 input (tokens, scales), default configs, no events;
+- vLLM's and SGLang's low-latency paths: a low-latency Buffer sized by get_low_latency_rdma_size_hint, FP8 with
+  plain and UE8M0 scales checked in DeepEP's layout, the receive hook, async_finish, combine into ``out``.
+
+argv: ``gloo`` or ``nccl``, the backend of the process group the script makes. Prints ``RESULT {json}`` per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from intranode import Mismatch, make_inputs, same, to_numpy, to_torch  # tests/ranks/intranode.py, beside this
+from low_latency import expected_combine, expert_outputs  # tests/ranks/low_latency.py
+
+import epjit
+import epjit.deep_ep
+from epjit import reference
+
+epjit.deep_ep.install()  # the one line a DeepEP user adds; then the framework's own imports:
+from deep_ep import Buffer  # noqa: E402
+from deep_ep.utils import EventHandle, EventOverlap  # noqa: E402
+
+HIDDEN, TOPK, EXPERTS = 2048, 4, 64
+
+
+def normal_buffer(group) -> Buffer:
+    """Megatron's get_buffer: the largest hint of the default dispatch and combine configs."""
+    size, hidden_bytes = group.size(), HIDDEN * 2
+    nvl = rdma = 0
+    for config in (Buffer.get_dispatch_config(size), Buffer.get_combine_config(size)):
+        nvl = max(config.get_nvl_buffer_size_hint(hidden_bytes, size), nvl)
+        rdma = max(config.get_rdma_buffer_size_hint(hidden_bytes, size), rdma)
+    return Buffer(group, nvl, rdma)
+
+
+def megatron_round(buffer: Buffer, rank: int, R: int, seed: int) -> None:
+    """fused_dispatch forward and backward, fused_combine forward and backward, with async_finish."""
+    xs, idxs, ws = make_inputs(seed, [100 + 13 * r for r in range(R)], HIDDEN, TOPK, EXPERTS, 0.1)
+    ref = reference.dispatch(xs, idxs, ws, EXPERTS)
+    x, idx, w = to_torch(xs[rank]), to_torch(idxs[rank]), to_torch(ws[rank])
+    per_rank, per_rdma, per_expert, in_rank, event = buffer.get_dispatch_layout(
+        idx, EXPERTS, previous_event=EventOverlap(EventHandle()), async_finish=True, allocate_on_comm_stream=True)
+    recv_x, recv_idx, recv_w, counts, handle, after = buffer.dispatch(
+        x, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, previous_event=event, async_finish=True,
+        allocate_on_comm_stream=True)
+    after.current_stream_wait()
+    same("megatron recv_x", to_numpy(recv_x), ref[rank].x)
+    same("megatron recv_topk_idx", to_numpy(recv_idx), ref[rank].topk_idx)
+    same("megatron recv_topk_weights", to_numpy(recv_w), ref[rank].topk_weights)
+    if list(counts) != list(ref[rank].num_recv_tokens_per_expert):
+        raise Mismatch(f"megatron num_recv_tokens_per_expert {counts} != {list(ref[rank].num_recv_tokens_per_expert)}")
+
+    # dispatch's backward: combine the gradients with the received weights
+    grads = [(r_.x.astype(np.float32) * 0.5).astype(r_.x.dtype) for r_ in ref]
+    grad_x, grad_w, after = buffer.combine(to_torch(grads[rank]), handle, topk_weights=recv_w.float(),
+                                           previous_event=EventOverlap(EventHandle()), async_finish=True,
+                                           allocate_on_comm_stream=True)
+    after.current_stream_wait()
+    want = reference.combine(grads, [r_.handle for r_ in ref], topk_weights=[r_.topk_weights for r_ in ref])
+    same("megatron combined grad_x", to_numpy(grad_x), want[rank].x)
+    same("megatron combined grad_topk_weights", to_numpy(grad_w), want[rank].topk_weights)
+
+    # fused_combine forward (no weights) and its backward: a dispatch replaying the handle
+    combined, none, after = buffer.combine(to_torch(grads[rank]), handle=handle, async_finish=True,
+                                           previous_event=EventOverlap(EventHandle()))
+    after.current_stream_wait()
+    same("megatron fused_combine", to_numpy(combined), reference.combine(grads, [r_.handle for r_ in ref])[rank].x)
+    ys = [(x_.astype(np.float32) * 2).astype(x_.dtype) for x_ in xs]
+    replayed, *nones, after = buffer.dispatch(to_torch(ys[rank]), handle=handle,
+                                              previous_event=EventOverlap(EventHandle()), async_finish=True)
+    after.current_stream_wait()
+    if none is not None or nones != [None, None, None, None]:
+        raise Mismatch(f"combine without weights / cached dispatch returned {none}, {nones}")
+    same("megatron cached dispatch", to_numpy(replayed), reference.dispatch(ys, idxs, None, EXPERTS)[rank].x)
+
+
+def vllm_ht_round(buffer: Buffer, rank: int, R: int, seed: int) -> None:
+    """vLLM's DeepEPHTPrepareAndFinalize: FP8 (tokens, scales) in, default configs, async_finish=False."""
+    xs, idxs, ws = make_inputs(seed, [64 + 7 * r for r in range(R)], HIDDEN, TOPK, EXPERTS, 0.2)
+    cast = [reference.per_token_cast_to_fp8(x_) for x_ in xs]
+    qs, scales = [c[0] for c in cast], [c[1] for c in cast]
+    ref = reference.dispatch(qs, idxs, ws, EXPERTS, x_scales=scales)
+    idx, w = to_torch(idxs[rank]), to_torch(ws[rank])
+    per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(
+        topk_idx=idx, num_experts=EXPERTS, previous_event=None, async_finish=False, allocate_on_comm_stream=False)
+    token_data = (to_torch(qs[rank]).view(torch.float8_e4m3fn), to_torch(scales[rank]))
+    (recv_q, recv_s), recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
+        x=token_data, handle=None, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
+        expert_alignment=1, config=Buffer.get_dispatch_config(R), previous_event=None, async_finish=False,
+        allocate_on_comm_stream=False)
+    same("vllm recv_x", to_numpy(recv_q), ref[rank].x)
+    same("vllm recv_x_scales", to_numpy(recv_s), ref[rank].x_scales)
+    same("vllm recv_topk_idx", to_numpy(recv_idx), ref[rank].topk_idx)
+    ys = [reference.fp8_to_float(r_.x, r_.x_scales).astype(xs[0].dtype) for r_ in ref]
+    combined, _, _ = buffer.combine(x=to_torch(ys[rank]), handle=handle, topk_weights=None,
+                                    config=Buffer.get_combine_config(R), previous_event=None, async_finish=False,
+                                    allocate_on_comm_stream=False)
+    same("vllm combined", to_numpy(combined), reference.combine(ys, [r_.handle for r_ in ref])[rank].x)
+
+
+def check_low_latency(name: str, recv, count, handle, want, use_fp8: bool, use_ue8m0: bool) -> None:
+    """The DeepEP tuple against the reference: x, scales (in DeepEP's layout), counts, src_info, layout_range."""
+    x, scales = recv if use_fp8 else (recv, None)
+    src_info, layout_range, _, _, _ = handle
+    counts = to_numpy(count)
+    same(f"{name} recv_count", counts, want.recv_count)
+    same(f"{name} layout_range", to_numpy(layout_range), want.layout_range)
+    if scales is not None:
+        rows = x.shape[1]
+        packed = scales.shape[2]
+        if scales.stride() != (packed * rows, 1, rows):
+            raise Mismatch(f"{name}: scales strides {scales.stride()} are not DeepEP's column-major layout")
+        # back to epjit's row-major layout (UE8M0: the int32 words' bytes, in memory order) for the reference
+        scales = scales.contiguous().view(torch.uint8) if use_ue8m0 else scales.contiguous()
+        scales = to_numpy(scales)
+    x, src = to_numpy(x), to_numpy(src_info)
+    for e, n in enumerate(counts.tolist()):
+        same(f"{name} src_info[{e}]", src[e, :n], want.src_info[e, :n])
+        same(f"{name} x[{e}]", x[e, :n], want.x[e, :n])
+        if scales is not None:
+            same(f"{name} x_scales[{e}]", scales[e, :n], want.x_scales[e, :n])
+
+
+def low_latency_round(buffer: Buffer, rank: int, R: int, seed: int, m: int, hidden: int, experts: int,
+                      use_fp8: bool, use_ue8m0: bool, hook: bool, async_finish: bool) -> None:
+    """vLLM's DeepEPLLPrepareAndFinalize (no hook, combine into out) and SGLang's (hook, or async_finish)."""
+    xs, idxs, ws = make_inputs(seed, [m - r for r in range(R)], hidden, TOPK, experts, 0.1)
+    x, idx, w = to_torch(xs[rank]), to_torch(idxs[rank]), to_torch(ws[rank])
+    recv, count, handle, event, recv_hook = buffer.low_latency_dispatch(
+        x, idx, m, experts, use_fp8=use_fp8, round_scale=use_ue8m0, use_ue8m0=use_ue8m0, async_finish=async_finish,
+        return_recv_hook=hook)
+    if hook:
+        recv_hook()
+    if async_finish:
+        event.current_stream_wait()
+    torch.cuda.synchronize()
+    want = reference.low_latency_dispatch(xs, idxs, m, experts, use_fp8=use_fp8, round_scale=use_ue8m0,
+                                          use_ue8m0=use_ue8m0)
+    name = f"low latency seed={seed} fp8={use_fp8} ue8m0={use_ue8m0} hook={hook} async={async_finish}"
+    check_low_latency(name, recv, count, handle, want[rank], use_fp8, use_ue8m0)
+    src_info, layout_range, *_ = handle
+    y = to_torch(expert_outputs(to_numpy(src_info), to_numpy(layout_range), xs, rank, experts))
+    out = torch.empty_like(x)
+    combined, event, recv_hook = buffer.low_latency_combine(y, idx, w, handle, async_finish=async_finish,
+                                                            zero_copy=False, return_recv_hook=hook, out=out)
+    if hook:
+        recv_hook()
+    if async_finish:
+        event.current_stream_wait()
+    torch.cuda.synchronize()
+    if combined.data_ptr() != out.data_ptr():
+        raise Mismatch(f"{name}: combine(out=) returned another tensor")
+    same(f"{name} combined", to_numpy(out), expected_combine(xs[rank], idxs[rank], ws[rank]))
+
+
+def main() -> int:
+    backend = sys.argv[1]
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)  # NCCL's collectives run on the current device
+    dist.init_process_group(backend)
+    group = dist.group.WORLD
+    R, rank = group.size(), group.rank()
+    result: dict = {"backend": backend, "rank": rank, "size": R, "cases": 0, "mismatch": None}
+    buffer = normal_buffer(group)
+    torch.cuda.set_device(epjit.init().device)  # the group DeepEP's Buffer made over the process group
+    m, hidden, experts = 32, 2048, 8 * R
+    ll = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(m, hidden, R, experts), low_latency_mode=True,
+                num_qps_per_rank=experts // R, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=True,
+                explicitly_destroy=True)
+    try:
+        for i in range(2):
+            megatron_round(buffer, rank, R, 100 + i)
+            vllm_ht_round(buffer, rank, R, 200 + i)
+            result["cases"] += 2
+        for i, (fp8, ue8m0, hook, async_finish) in enumerate([(True, False, False, False), (True, True, False, False),
+                                                              (True, False, True, False), (True, True, True, False),
+                                                              (True, False, False, True), (False, False, True, False),
+                                                              (False, False, False, True)]):
+            low_latency_round(ll, rank, R, 300 + i, m, hidden, experts, fp8, ue8m0, hook, async_finish)
+            result["cases"] += 1
+        result["ll_hint_matches"] = ll.num_rdma_bytes == epjit.Buffer.get_low_latency_size_hint(m, hidden, R, experts)
+    except Mismatch as e:
+        result["mismatch"] = str(e)[:400]
+    finally:
+        ll.destroy()
+        buffer.destroy()
+    epjit.init().close()
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0 if result["mismatch"] is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
