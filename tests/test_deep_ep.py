@@ -77,7 +77,7 @@ def test_topk_idx_t_is_int64():
 
 # ---------------------------------------------------------------------------------------------------- signatures
 
-# DeepEP's V1 signatures (deep_ep/buffers/legacy.py, utils/event.py, the Config binding), written out here.
+# DeepEP's V1 signatures (its legacy Buffer, EventOverlap, EventHandle and the Config binding), written out here.
 DEEPEP_SIGNATURES = {
     (Buffer, "__init__"): [("group", REQUIRED), ("num_nvl_bytes", 0), ("num_rdma_bytes", 0),
                            ("low_latency_mode", False), ("num_qps_per_rank", 24),
