@@ -188,6 +188,20 @@ def close(a, b):
     torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
 
+def matches_dense_layer(out, coef, x, idx, w, mats) -> None:
+    """``out`` (a layer through epjit.autograd on leaves x, w, mats) and its gradients equal the dense layer's: the
+    loss is sum(out * coef), so every output element weighs differently. Every gradient is finite: padding rows
+    (poisoned with NaN) gave none."""
+    got = grads_of((out * coef).sum(), [x, w, mats])
+    x2, w2, mats2 = leaves(x, w, mats)
+    ref = dense_layer(x2, idx, w2, mats2)
+    want = grads_of((ref * coef).sum(), [x2, w2, mats2])
+    close(out, ref)
+    for a, b in zip(got, want, strict=True):
+        assert torch.isfinite(a).all()
+        close(a, b)
+
+
 # ------------------------------------------------------------------------------------------------ normal mode
 
 
@@ -216,14 +230,7 @@ def test_normal_layer_gradients_match_the_dense_layer(num_worst_tokens):
     x, w, mats = leaves(tokens(32, buf.hidden), w, experts(buf.num_experts, buf.hidden))
     coef = tokens(32, buf.hidden, seed=7).float()
     out = normal_layer(buf, x, idx, w, mats, num_worst_tokens=num_worst_tokens)
-    got = grads_of((out * coef).sum(), [x, w, mats])
-    x2, w2, mats2 = leaves(x, w, mats)
-    ref = dense_layer(x2, idx, w2, mats2)
-    want = grads_of((ref * coef).sum(), [x2, w2, mats2])
-    close(out, ref)
-    for a, b in zip(got, want, strict=True):
-        assert torch.isfinite(a).all()  # padding rows (poisoned with NaN) gave no gradient
-        close(a, b)
+    matches_dense_layer(out, coef, x, idx, w, mats)
     assert buf.log.count("combine") == 2 and "dispatch(handle)" in buf.log  # forward + backward of each
 
 
@@ -274,14 +281,7 @@ def test_low_latency_layer_gradients_match_the_dense_layer(repeats, calls):
     x, w, mats = leaves(tokens(12, buf.hidden), w, experts(buf.num_experts, buf.hidden))
     coef = tokens(12, buf.hidden, seed=9).float()
     out = ll_layer(buf, x, idx, w, mats)
-    got = grads_of((out * coef).sum(), [x, w, mats])
-    x2, w2, mats2 = leaves(x, w, mats)
-    ref = dense_layer(x2, idx, w2, mats2)
-    want = grads_of((ref * coef).sum(), [x2, w2, mats2])
-    close(out, ref)
-    for a, b in zip(got, want, strict=True):
-        assert torch.isfinite(a).all()
-        close(a, b)
+    matches_dense_layer(out, coef, x, idx, w, mats)
     # forward: dispatch, combine; combine's backward: grad_out and weights dispatched, dot products combined home;
     # dispatch's backward: one combine
     assert buf.log == ["ll_dispatch", "ll_combine", "ll_dispatch", "ll_dispatch", "ll_combine", "ll_combine"]
@@ -440,14 +440,7 @@ def test_compiled_layer_matches_the_dense_layer(step):
     compiled = torch.compile(lambda *a: step(bid, *a), fullgraph=True, backend="aot_eager")
     coef = tokens(n, buf.hidden, seed=14).float()
     out = compiled(x, idx, w, mats)
-    got = grads_of((out * coef).sum(), [x, w, mats])
-    x2, w2, mats2 = leaves(x, w, mats)
-    ref = dense_layer(x2, idx, w2, mats2)
-    want = grads_of((ref * coef).sum(), [x2, w2, mats2])
-    close(out, ref)
-    for a, b in zip(got, want, strict=True):
-        assert torch.isfinite(a).all()
-        close(a, b)
+    matches_dense_layer(out, coef, x, idx, w, mats)
 
 
 def test_worst_token_combine_gives_padding_rows_zero_gradient():
