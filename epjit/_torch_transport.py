@@ -11,35 +11,22 @@ CUDA tensors on the current device (set it before, as NCCL itself requires) and 
 from __future__ import annotations
 
 import datetime
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from ._channel import ChannelFailure
 
-# torchrun sets these in every rank (TORCHELASTIC_RUN_ID too): with WORLD_SIZE > 1 they mean "torch.distributed".
-TORCHRUN_MARKERS = ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "GROUP_RANK")
-
-
-def under_torchrun(environ: Mapping[str, str]) -> bool:
-    return any(environ.get(name) for name in TORCHRUN_MARKERS)
-
 
 def is_process_group(obj: object) -> bool:
-    """Whether ``obj`` is a torch ProcessGroup (without importing torch when the caller never did)."""
-    dist = _dist_if_imported()
-    return dist is not None and isinstance(obj, dist.ProcessGroup)
-
-
-def _dist_if_imported() -> Any:
-    import sys
-
+    """Whether ``obj`` is a torch ProcessGroup, without importing torch where the caller never did."""
     if "torch" not in sys.modules:
-        return None
+        return False
     try:
         import torch.distributed as dist
     except ImportError:
-        return None
-    return dist if dist.is_available() else None
+        return False
+    return dist.is_available() and isinstance(obj, dist.ProcessGroup)
 
 
 class TorchTransport:
@@ -98,7 +85,7 @@ class TorchTransport:
             self._dist.destroy_process_group()
 
 
-def join(group: Any, environ: Mapping[str, str], timeout: float | None) -> tuple[TorchTransport, int, int, Any]:
+def join(group: Any, timeout: float | None) -> tuple[TorchTransport, int, int, Any]:
     """(transport, rank, size, the group) for ``group``, or for torchrun's default group when ``group`` is None,
     creating a gloo one (env://, what torchrun sets) when the script has none. Raises ImportError without torch."""
     import torch.distributed as dist
@@ -113,8 +100,8 @@ def join(group: Any, environ: Mapping[str, str], timeout: float | None) -> tuple
     return transport, dist.get_rank(group), dist.get_world_size(group), group
 
 
-def local_placement(transport: TorchTransport, rank: int, size: int, world: bool,
-                    environ: Mapping[str, str], host: str) -> tuple[int, int]:
+def local_placement(transport: TorchTransport, rank: int, world: bool, environ: Mapping[str, str],
+                    host: str) -> tuple[int, int]:
     """(local rank, local size): torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE for its default group, else the rank's
     place among the group's ranks on its host (host names gathered over the group)."""
     if world:

@@ -44,9 +44,10 @@ _MAX_PLANS = 512  # plans kept per Buffer (a model has a few shapes; a sweep ove
 
 def _group_of(group: Any) -> Group:
     """The epjit group over a torch ProcessGroup (DeepEP's Buffer takes one), made or found by ``epjit.init``."""
-    from .group import _is_process_group, init
+    from ._torch_transport import is_process_group
+    from .group import init
 
-    if _is_process_group(group):
+    if is_process_group(group):
         return init(torch_group=group)
     raise ArgumentTypeError(with_rank(f"group must be what epjit.init() returns or a torch ProcessGroup, got "
                                       f"{type(group).__name__}"))

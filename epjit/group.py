@@ -31,6 +31,7 @@ from typing import Any, Protocol, TypeVar, cast
 
 from . import _channel, env
 from ._channel import ChannelFailure
+from ._torch_transport import is_process_group
 from .errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -424,12 +425,6 @@ class Group:
             raise refuse(f"with bind_device=False (the group uses GPU {self.device})")
 
 
-def _is_process_group(obj: object) -> bool:
-    from ._torch_transport import is_process_group
-
-    return is_process_group(obj)
-
-
 def _same_comm(a: Any, b: Any) -> bool:
     if a is b:
         return True
@@ -588,7 +583,7 @@ def _torch_transport(group: Any, environ: Mapping[str, str], timeout: float | No
     try:
         from . import _torch_transport as tt
 
-        transport, rank, size, group = tt.join(group, environ, timeout)
+        transport, rank, size, group = tt.join(group, timeout)
     except ImportError as e:
         n = hint[1] if hint is not None else 2
         raise SetupError(
@@ -604,7 +599,7 @@ def _torch_transport(group: Any, environ: Mapping[str, str], timeout: float | No
     import torch.distributed as dist
 
     try:
-        local_rank, local_size = tt.local_placement(transport, rank, size, group is dist.group.WORLD, environ,
+        local_rank, local_size = tt.local_placement(transport, rank, group is dist.group.WORLD, environ,
                                                     socket.gethostname())
     except ChannelFailure as e:
         raise CollectiveError(f"init failed: {e}") from None
@@ -920,9 +915,9 @@ def init(comm: Any = None, num_nvl_ranks: int | None = None, *, bind_device: boo
     """
     global _current
     with _init_lock:
-        if torch_group is None and comm is not None and _is_process_group(comm):
+        if torch_group is None and comm is not None and is_process_group(comm):
             comm, torch_group = None, comm  # a torch group passed where an MPI communicator goes
-        if torch_group is not None and not _is_process_group(torch_group):
+        if torch_group is not None and not is_process_group(torch_group):
             raise ArgumentTypeError(with_rank(f"torch_group must be a torch.distributed ProcessGroup, got "
                                               f"{type(torch_group).__name__}"))
         if _current is not None:

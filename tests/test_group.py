@@ -434,12 +434,12 @@ def test_torch_group_placement_by_host_names_or_torchrun_variables():
             return [h.encode() for h in self.hosts]
 
     hosts = Hosts(["a", "a", "b", "b", "b"])
-    assert [local_placement(hosts, r, 5, False, {}, hosts.hosts[r]) for r in range(5)] == [
+    assert [local_placement(hosts, r, False, {}, hosts.hosts[r]) for r in range(5)] == [
         (0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
     # torchrun's own numbering for its default group; a subgroup, or variables that are not numbers, by host
-    assert local_placement(hosts, 3, 5, True, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "3"}, "b") == (1, 3)
-    assert local_placement(hosts, 3, 5, False, {"LOCAL_RANK": "7", "LOCAL_WORLD_SIZE": "8"}, "b") == (1, 3)
-    assert local_placement(hosts, 3, 5, True, {"LOCAL_RANK": "x", "LOCAL_WORLD_SIZE": "3"}, "b") == (1, 3)
+    assert local_placement(hosts, 3, True, {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "3"}, "b") == (1, 3)
+    assert local_placement(hosts, 3, False, {"LOCAL_RANK": "7", "LOCAL_WORLD_SIZE": "8"}, "b") == (1, 3)
+    assert local_placement(hosts, 3, True, {"LOCAL_RANK": "x", "LOCAL_WORLD_SIZE": "3"}, "b") == (1, 3)
 
 
 def test_torch_group_argument_must_be_a_process_group():
