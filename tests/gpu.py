@@ -171,3 +171,14 @@ def result_dicts(stdout: str) -> list[dict]:
     for piece in stdout.split("RESULT ")[1:]:
         results.append(decoder.raw_decode(piece.lstrip())[0])
     return results
+
+
+def torchrun_two_ranks(script: str, backend: str, env: dict[str, str], timeout: float) -> list[dict]:
+    """``script backend`` on 2 ranks under torchrun (``env`` from two_ranks() or placement()): asserts the job
+    passed and both ranks printed their RESULT, and returns those."""
+    pytest.importorskip("torch")
+    code, output, results = run_ranks("torchrun", 2, script, backend, env={"EPJIT_TIMEOUT_S": "60", **env},
+                                      timeout=timeout)
+    assert code == 0, output[-8000:]
+    assert len(results) == 2, output[-4000:]
+    return results

@@ -6,18 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from .gpu import placement, run_ranks, two_ranks
+from .gpu import placement, torchrun_two_ranks, two_ranks
 
 pytestmark = pytest.mark.gpu
 
 
 def _run(backend: str, env: dict[str, str]) -> None:
-    pytest.importorskip("torch")
-    code, output, results = run_ranks("torchrun", 2, "tests/ranks/deep_ep.py", backend,
-                                      env={"EPJIT_TIMEOUT_S": "60", **env}, timeout=400)
-    assert code == 0, output[-8000:]
-    assert len(results) == 2, output[-4000:]
-    for r in results:
+    for r in torchrun_two_ranks("tests/ranks/deep_ep.py", backend, env, timeout=400):
         assert r["size"] == 2 and r["mismatch"] is None, r
         assert r["cases"] == 4 + 7 and r["ll_hint_matches"], r
 

@@ -5,17 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from .gpu import placement, run_ranks, two_ranks
+from .gpu import placement, torchrun_two_ranks, two_ranks
 
 pytestmark = pytest.mark.gpu
 
 
 def _run(backend: str, env: dict[str, str]) -> list[dict]:
-    pytest.importorskip("torch")
-    code, output, results = run_ranks("torchrun", 2, "tests/ranks/torch_buffer.py", backend,
-                                      env={"EPJIT_TIMEOUT_S": "60", **env}, timeout=300)
-    assert code == 0, output[-8000:]
-    assert len(results) == 2, output[-4000:]
+    results = torchrun_two_ranks("tests/ranks/torch_buffer.py", backend, env, timeout=300)
     for r in results:
         assert r["group_backend"] == "torch" and r["size"] == 2 and r["same_group"], r
         assert r["cases"] == 2 and r["mismatch"] is None, r
