@@ -22,6 +22,11 @@ def test_constants_match_header():
     assert memory.MAX_NVL_RANKS == _constexpr("kMaxNvlRanks")
     assert memory.MAX_RANKS == _constexpr("kMaxRanks")
     assert memory.NVL_HEADER_BYTES == _constexpr("kNvlHeaderBytes")
+    # The intranode rank script reads the channel barrier rows there (it imports torch and CuPy: read as text).
+    script = (CUDA_SRC.parent / "tests" / "ranks" / "intranode.py")
+    if script.is_file():  # a checkout, not an installed wheel
+        rows_at = re.search(r"^CHANNEL_ROWS_AT = (\d+)", script.read_text(), re.M)
+        assert rows_at and int(rows_at.group(1)) == _constexpr("kNvlChannelBarrierOffset")
 
 
 _C_SIZES = {"int32_t": 4, "int64_t": 8, "uint64_t": 8}

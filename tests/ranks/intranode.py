@@ -22,7 +22,8 @@ import torch
 
 import epjit
 from epjit import bench, reference
-from epjit.config import COMBINE_READERS
+from epjit.config import COMBINE_READERS, MAX_CHANNELS
+from epjit.memory import MAX_NVL_RANKS, NVL_HEADER_BYTES
 
 BF16 = ml_dtypes.bfloat16
 os.environ.setdefault("EPJIT_POISON_OUTPUTS", "1")  # a row the kernel forgets must not read as plausible zeros
@@ -187,21 +188,23 @@ def run_ahead_counts(buf, rank: int, R: int) -> None:
     buf.synchronize()
 
 
+CHANNEL_ROWS_AT = 4096  # kNvlChannelBarrierOffset
+
+
 def unbalanced_barriers(buf, group) -> list[str]:
     """The NVLink buffer's barrier signals that are not back to 0 once every rank's kernels are done: a barrier one
     rank took and a peer did not (each arrival adds to the peer's row what the peer's own arrival takes away), so
-    their calls no longer pair up. Row 0 is notify's, then a row a channel (combine's)."""
+    their calls no longer pair up. The header (cuda_src/peers.cuh) holds notify's row at 0 and a row a channel
+    (combine's) from CHANNEL_ROWS_AT, each MAX_NVL_RANKS signals."""
     buf.synchronize()
     group.barrier()
-    base = buf.mem.nvl.base
-    header = cupy.ndarray((2048,), cupy.int32, cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(base, 8192, buf), 0))
-    ints = header.get()
-    R = group.size
-    bad = [f"notify[{t}]={ints[t]}" for t in range(R) if ints[t]]
-    rows = ints[1024:].reshape(128, 8)  # a row of 8 signals a channel
-    bad += [f"channel {c}[{t}]={rows[c, t]}" for c in range(128) for t in range(R) if rows[c, t]]
+    memory = cupy.cuda.UnownedMemory(buf.mem.nvl.base, NVL_HEADER_BYTES, buf)
+    ints = cupy.ndarray((NVL_HEADER_BYTES // 4,), cupy.int32, cupy.cuda.MemoryPointer(memory, 0)).get()
     group.barrier()  # nobody's next kernel may move a signal before every rank read its own
-    return bad
+    rows = ints[CHANNEL_ROWS_AT // 4:].reshape(-1, MAX_NVL_RANKS)[:MAX_CHANNELS]
+    bad = [f"notify[{t}]={ints[t]}" for t in range(group.size) if ints[t]]
+    return bad + [f"channel {c}[{t}]={rows[c, t]}" for c in range(MAX_CHANNELS) for t in range(group.size)
+                  if rows[c, t]]
 
 
 def check_barriers(buf, group, where: str, result: dict) -> None:
