@@ -275,7 +275,7 @@ class Buffer:
                             async_finish: bool = False,
                             allocate_on_comm_stream: bool = False) -> tuple[Any, Any, Any, Any, EventOverlap]:
         """(num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, event)."""
-        normal = self._normal if self._normal is not None else self._normal_buffer()
+        normal = self._normal_buffer()
         layout = normal.get_dispatch_layout(topk_idx, num_experts, previous_event=previous_event_of(previous_event),
                                             async_finish=async_finish)
         in_rank = layout.is_token_in_rank
@@ -305,7 +305,7 @@ class Buffer:
         """(recv_x or (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
         handle, event). With ``handle`` the earlier dispatch's routing is replayed: (recv_x, None, None, None, None,
         event)."""
-        normal = self._normal if self._normal is not None else self._normal_buffer()
+        normal = self._normal_buffer()
         previous = previous_event_of(previous_event)
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
@@ -331,7 +331,7 @@ class Buffer:
                 allocate_on_comm_stream: bool = False) -> tuple[Any, Any, EventOverlap]:
         """(combined_x, combined_topk_weights, event): for each original token the sum of the rows the ranks send
         back for it, plus bias (one tensor or a pair)."""
-        normal = self._normal if self._normal is not None else self._normal_buffer()
+        normal = self._normal_buffer()
         c = normal.combine(x, _epjit_handle(handle, NormalHandle, "combine"), topk_weights=topk_weights, bias=bias,
                            config=self._config(config, "combine"), previous_event=previous_event_of(previous_event),
                            async_finish=async_finish)
