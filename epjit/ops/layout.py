@@ -150,10 +150,11 @@ class Layout:
     def __init__(self, streams: Streams, outputs: Outputs, device: int, num_ranks: int, num_nvl_ranks: int) -> None:
         self.streams, self.outputs, self.device = streams, outputs, device
         self.num_ranks, self.num_nvl_ranks = num_ranks, num_nvl_ranks
+        self.num_nodes = num_ranks // num_nvl_ranks
         self.module = load(LayoutSpec(), device)
 
     def plan(self, framework: str, kind: str, num_tokens: int, num_topk: int, num_experts: int) -> LayoutPlan:
-        nodes = self.num_ranks // self.num_nvl_ranks
+        nodes = self.num_nodes
         offsets = MadeLayout.offsets(num_tokens, self.num_ranks, num_experts, nodes)
         args = self.module.spec.args("dispatch_layout", num_tokens=num_tokens, num_topk=num_topk,
                                      num_experts=num_experts, num_ranks=self.num_ranks,
@@ -178,7 +179,7 @@ class Layout:
         stream = caller if on_caller else streams.comm_ptr
         owner = plan.new_owner()
         base = owner.data_ptr() if kind == "torch" else owner.data.ptr
-        nodes = self.num_ranks // self.num_nvl_ranks
+        nodes = self.num_nodes
         made = MadeLayout(owner, kind, plan.framework, plan.num_tokens, self.num_ranks, plan.num_experts, base,
                           base + offsets[1], base + offsets[2], base + offsets[3], nodes)
         if plan.counts_bytes:
