@@ -208,6 +208,16 @@ def _check_num_experts(num_experts: int, num_ranks: int) -> tuple[int, int]:
     return num_experts, num_experts // num_ranks
 
 
+def _check_num_nvl_ranks(num_nvl_ranks: Any, num_ranks: int) -> int | None:
+    """``num_nvl_ranks`` as an int >= 1 dividing ``num_ranks``; None when it is None or ``num_ranks`` (one node)."""
+    if num_nvl_ranks is None:
+        return None
+    num_nvl_ranks = check_int(num_nvl_ranks, "num_nvl_ranks", None)
+    if num_nvl_ranks < 1 or num_ranks % num_nvl_ranks != 0:
+        raise _error(f"num_nvl_ranks={num_nvl_ranks} must be >= 1 and divide num_ranks={num_ranks}")
+    return None if num_nvl_ranks == num_ranks else num_nvl_ranks
+
+
 def _is_float_dtype(dtype: np.dtype) -> bool:
     return dtype == BF16 or np.issubdtype(dtype, np.floating)
 
@@ -303,10 +313,7 @@ def get_dispatch_layout(
     """
     num_experts, num_local = _check_num_experts(num_experts, num_ranks)
     num_ranks = int(num_ranks)
-    if num_nvl_ranks is not None:
-        num_nvl_ranks = check_int(num_nvl_ranks, "num_nvl_ranks", None)
-    if num_nvl_ranks is not None and (num_nvl_ranks < 1 or num_ranks % num_nvl_ranks != 0):
-        raise _error(f"num_nvl_ranks={num_nvl_ranks} must be >= 1 and divide num_ranks={num_ranks}")
+    num_nvl_ranks = _check_num_nvl_ranks(num_nvl_ranks, num_ranks)
     idx = _check_topk_idx(topk_idx, "topk_idx", None, None, num_experts)
     num_tokens = idx.shape[0]
 
@@ -316,7 +323,7 @@ def get_dispatch_layout(
     is_token_in_rank[tokens, idx[tokens, slots] // num_local] = True
 
     num_tokens_per_rdma_rank = None
-    if num_nvl_ranks is not None and num_nvl_ranks != num_ranks:
+    if num_nvl_ranks is not None:
         num_nodes = num_ranks // num_nvl_ranks
         is_token_in_node = is_token_in_rank.reshape(num_tokens, num_nodes, num_nvl_ranks).any(axis=2)
         num_tokens_per_rdma_rank = is_token_in_node.sum(axis=0).astype(np.int32)
@@ -552,30 +559,11 @@ def _check_handles(handles: Sequence[DispatchHandle]) -> None:
                 )
 
 
-def combine(
-    ys: Sequence[np.ndarray],
-    handles: Sequence[DispatchHandle],
-    *,
-    topk_weights: Sequence[np.ndarray] | None = None,
-    bias: Sequence[Bias] | None = None,
-) -> list[CombineResult]:
-    """Normal-mode combine, the adjoint of :func:`dispatch`.
-
-    ``ys[r]`` is ``[handles[r].num_rows, H]`` bf16, row ``i`` answering received row ``i`` of rank ``r``
-    (padding rows are ignored). For each original token ``t`` of each rank ``s`` the result is::
-
-        x[t] = bf16( float32 sum of: bias_0[t], bias_1[t], then the rows returned for t by ranks 0, 1, ..., R-1 )
-
-    in exactly that order (DeepEP's: bias first, then ranks ascending), cast to bf16 once. A token that went
-    nowhere gets its bias (or zeros). ``bias[s]`` is one ``[N_s, H]`` array or a pair of them (both added).
-    ``topk_weights[r]`` (``[num_rows, K]``, e.g. ``DispatchResult.topk_weights``) are summed the same way in float32
-    into ``[N_s, K]``; since each rank holds 0 outside its own experts, this gives back the original weights of the
-    slots that named an expert (slots that were -1 come back as 0).
-    """
-    handles = _per_rank("handles", handles)
+def _check_combine_inputs(
+    ys: list[Any], handles: list[DispatchHandle], topk_weights: Sequence[np.ndarray] | None
+) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """Every rank's bf16 ``ys`` (``[num_rows, H]``, rank 0's H) and float32 ``topk_weights`` (``[num_rows, K]``)."""
     num_ranks = len(handles)
-    ys = _per_rank("ys", ys, num_ranks)
-    _check_handles(handles)
     ys_in = [_check_bf16(ys[r], f"ys[{r}]", 2) for r in range(num_ranks)]
     hidden = ys_in[0].shape[1]
     for r in range(num_ranks):
@@ -584,44 +572,120 @@ def combine(
                 f"ys[{r}] has shape {ys_in[r].shape} but rank {r} received "
                 f"{handles[r].num_rows} rows of hidden={hidden}"
             )
-    num_tokens = [h.is_token_in_rank.shape[0] for h in handles]
+    if topk_weights is None:
+        return ys_in, None
+    weights_list = _per_rank("topk_weights", topk_weights, num_ranks)
+    weights_in: list[np.ndarray] = []
+    for r in range(num_ranks):
+        w = np.asarray(weights_list[r])
+        num_topk = weights_in[0].shape[1] if r > 0 else (w.shape[1] if w.ndim == 2 else -1)
+        weights_in.append(_check_topk_weights(w, f"topk_weights[{r}]", (handles[r].num_rows, num_topk)))
+    return ys_in, weights_in
 
-    weights_in: list[np.ndarray] | None = None
-    if topk_weights is not None:
-        weights_list = _per_rank("topk_weights", topk_weights, num_ranks)
-        weights_in = []
-        for r in range(num_ranks):
-            w = np.asarray(weights_list[r])
-            num_topk = weights_in[0].shape[1] if r > 0 else (w.shape[1] if w.ndim == 2 else -1)
-            weights_in.append(_check_topk_weights(w, f"topk_weights[{r}]", (handles[r].num_rows, num_topk)))
 
+def _combine_bias(bias: Sequence[Bias] | None, num_tokens: list[int], hidden: int) -> list[np.ndarray]:
+    """Each rank's float32 accumulator ``[N_s, H]`` holding ``0 + bias_0 + bias_1`` (zeros without bias)."""
     acc = [np.zeros((n, hidden), dtype=np.float32) for n in num_tokens]
-    if bias is not None:
-        bias_list = _per_rank("bias", bias, num_ranks)
-        for s in range(num_ranks):
-            terms = bias_list[s] if isinstance(bias_list[s], (tuple, list)) else (bias_list[s],)
-            if len(terms) not in (1, 2):
-                raise _error(f"bias[{s}] must be one array or a pair of arrays, got {len(terms)} entries")
-            for i, term in enumerate(terms):
-                b = np.asarray(term)
-                if not _is_float_dtype(b.dtype) or b.shape != (num_tokens[s], hidden):
-                    raise _error(
-                        f"bias[{s}] term {i} has shape {b.shape} and dtype {b.dtype} but must be "
-                        f"floating point of shape {(num_tokens[s], hidden)}"
-                    )
-                acc[s] += b.astype(np.float32)
+    if bias is None:
+        return acc
+    bias_list = _per_rank("bias", bias, len(num_tokens))
+    for s, entry in enumerate(bias_list):
+        terms = entry if isinstance(entry, (tuple, list)) else (entry,)
+        if len(terms) not in (1, 2):
+            raise _error(f"bias[{s}] must be one array or a pair of arrays, got {len(terms)} entries")
+        for i, term in enumerate(terms):
+            b = np.asarray(term)
+            if not _is_float_dtype(b.dtype) or b.shape != (num_tokens[s], hidden):
+                raise _error(
+                    f"bias[{s}] term {i} has shape {b.shape} and dtype {b.dtype} but must be "
+                    f"floating point of shape {(num_tokens[s], hidden)}"
+                )
+            acc[s] += b.astype(np.float32)
+    return acc
 
+
+def _add_returned_rows(
+    acc: np.ndarray,
+    weights_acc: np.ndarray | None,
+    src: int,
+    ranks: range,
+    handles: list[DispatchHandle],
+    ys: list[np.ndarray],
+    weights: list[np.ndarray] | None,
+) -> np.ndarray:
+    """Add, in float32 and in the order of ``ranks``, the rows that those ranks return to rank ``src``'s tokens
+    (and their weight rows); return the mask of the tokens that got at least one row."""
+    touched = np.zeros(acc.shape[0], dtype=bool)
+    for r in ranks:
+        # Rows of rank r that came from rank src: a contiguous block, one row per distinct token.
+        rows = np.flatnonzero(handles[r].src_rank == src)
+        tokens = handles[r].src_token[rows]
+        acc[tokens] += ys[r][rows].astype(np.float32)
+        if weights_acc is not None and weights is not None:
+            weights_acc[tokens] += weights[r][rows]
+        touched[tokens] = True
+    return touched
+
+
+def combine(
+    ys: Sequence[np.ndarray],
+    handles: Sequence[DispatchHandle],
+    *,
+    topk_weights: Sequence[np.ndarray] | None = None,
+    bias: Sequence[Bias] | None = None,
+    num_nvl_ranks: int | None = None,
+) -> list[CombineResult]:
+    """Normal-mode combine, the adjoint of :func:`dispatch`.
+
+    ``ys[r]`` is ``[handles[r].num_rows, H]`` bf16, row ``i`` answering received row ``i`` of rank ``r``
+    (padding rows are ignored). Inside one NVLink node (``num_nvl_ranks`` None or ``R``), for each original token
+    ``t`` of each rank ``s``::
+
+        x[t] = bf16( float32 sum of: bias_0[t], bias_1[t], then the rows returned for t by ranks 0, 1, ..., R-1 )
+
+    in exactly that order (DeepEP's: bias first, then ranks ascending), cast to bf16 once. Across ``N = R / V``
+    nodes of ``V = num_nvl_ranks`` ranks (node ``m`` holds ranks ``[m*V, (m+1)*V)``), each node's rows are summed
+    on that node and cross the network as one bf16 partial, so the partial is rounded once more::
+
+        acc = 0 + bias_0[t] + bias_1[t]                                      (float32)
+        for m = 0 .. N-1, if some rank of node m returned a row for t:
+            p = 0 + the rows returned for t by ranks m*V, m*V+1, ..., m*V+V-1  (float32, those that returned one)
+            acc += float32(bf16(p))
+        x[t] = bf16(acc)
+
+    With ``V = 1`` this equals the one-node formula bit for bit (a bf16 row rounded to bf16 is itself). A token
+    that went nowhere gets its bias (or zeros). ``bias[s]`` is one ``[N_s, H]`` array or a pair of them (both
+    added). ``topk_weights[r]`` (``[num_rows, K]``, e.g. ``DispatchResult.topk_weights``) are summed into
+    ``[N_s, K]`` in the same order (across nodes: per node over ``j``, then over ``m``) in float32 and never
+    rounded to bf16; since each rank holds 0 outside its own experts, this gives back the original weights of the
+    slots that named an expert (slots that were -1 come back as 0). ``num_nvl_ranks`` must divide ``R``.
+    """
+    handles = _per_rank("handles", handles)
+    num_ranks = len(handles)
+    nvl = _check_num_nvl_ranks(num_nvl_ranks, num_ranks)
+    ys = _per_rank("ys", ys, num_ranks)
+    _check_handles(handles)
+    ys_in, weights_in = _check_combine_inputs(ys, handles, topk_weights)
+    hidden = ys_in[0].shape[1]
+    num_tokens = [h.is_token_in_rank.shape[0] for h in handles]
+    acc = _combine_bias(bias, num_tokens, hidden)
     weights_acc = None
     if weights_in is not None:
         weights_acc = [np.zeros((n, weights_in[0].shape[1]), dtype=np.float32) for n in num_tokens]
+
     for s in range(num_ranks):
-        for r in range(num_ranks):
-            # Rows of rank r that came from rank s: a contiguous block, one row per distinct token.
-            rows = np.flatnonzero(handles[r].src_rank == s)
-            tokens = handles[r].src_token[rows]
-            acc[s][tokens] += ys_in[r][rows].astype(np.float32)
-            if weights_acc is not None and weights_in is not None:
-                weights_acc[s][tokens] += weights_in[r][rows]
+        w_acc = None if weights_acc is None else weights_acc[s]
+        if nvl is None:
+            _add_returned_rows(acc[s], w_acc, s, range(num_ranks), handles, ys_in, weights_in)
+            continue
+        for m in range(num_ranks // nvl):
+            partial = np.zeros_like(acc[s])
+            w_partial = None if w_acc is None else np.zeros_like(w_acc)
+            ranks = range(m * nvl, (m + 1) * nvl)
+            touched = _add_returned_rows(partial, w_partial, s, ranks, handles, ys_in, weights_in)
+            acc[s][touched] += partial[touched].astype(BF16).astype(np.float32)
+            if w_acc is not None and w_partial is not None:
+                w_acc[touched] += w_partial[touched]
 
     return [
         CombineResult(x=acc[s].astype(BF16), topk_weights=None if weights_acc is None else weights_acc[s])

@@ -179,6 +179,47 @@ def test_combine_ignores_padding_rows():
     np.testing.assert_array_equal(bits(c[0].x), bits(bf16([[110, 220], [30, 40], [500, 600]])))
 
 
+# 2 nodes x 2 ranks (num_nvl_ranks=2), 4 experts, one per rank. Rank 0 sends token 0 to every rank, token 1 to node 1
+# only (ranks 2 and 3), and token 2 nowhere; ranks 1-3 have no tokens.
+NODE_X = [bf16([[1, 1], [2, 2], [3, 3]])] + [bf16(np.zeros((0, 2)))] * 3
+NODE_IDX = [np.array([[0, 1, 2, 3], [2, 3, -1, -1], [-1, -1, -1, -1]])] + [np.zeros((0, 4), np.int64)] * 3
+NODE_W = [f32([[0.5, 0.25, 0.125, 0.0625], [1, 2, 4, 8], [3, 5, 6, 7]])] + [np.zeros((0, 4), np.float32)] * 3
+# The rows each rank returns (rank 2 and 3: token 0, then token 1).
+NODE_YS = [
+    bf16([[1, 1]]),
+    bf16([[2**-8, 3 * 2**-9]]),
+    bf16([[2**-8, -(2**-9)], [3, 256]]),
+    bf16([[0, 0], [0.5, 1]]),
+]
+
+
+def test_combine_two_nodes_hand():
+    d = ref.dispatch(NODE_X, NODE_IDX, NODE_W, 4)
+    handles = [r.handle for r in d]
+    assert [h.src_token.tolist() for h in handles] == [[0], [0], [0, 1], [0, 1]]
+    weights = [r.topk_weights for r in d]
+    two = ref.combine(NODE_YS, handles, topk_weights=weights, num_nvl_ranks=2)
+    one = ref.combine(NODE_YS, handles, topk_weights=weights)
+    # bf16 near 1 has a step of 2**-7, so 1 + 2**-8 is a tie (to even: 1) and 1 + 3*2**-9 rounds up to 1 + 2**-7.
+    # Token 0, channel 0. Two nodes: node 0 = bf16(1 + 2**-8) = 1, node 1 = bf16(2**-8 + 0) = 2**-8;
+    #   x = bf16(1 + 2**-8) = 1. One rounding: bf16(1 + 2**-8 + 2**-8 + 0) = 1 + 2**-7 = 1.0078125.
+    # Token 0, channel 1. Two nodes: node 0 = bf16(1 + 3*2**-9) = 1.0078125, node 1 = bf16(-2**-9 + 0) = -2**-9;
+    #   x = bf16(1.0078125 - 0.001953125 = 1.005859375) = 1.0078125. One rounding: 1 + 3*2**-9 - 2**-9 =
+    #   1.00390625, a tie: 1.
+    # Token 1 (node 1 only): [bf16(3 + 0.5), bf16(256 + 1)] = [3.5, 256] either way (257 is a tie between 256 and
+    # 258, to even: 256). Token 2 went nowhere: zeros.
+    np.testing.assert_array_equal(bits(two[0].x), bits(bf16([[1.0, 1.0078125], [3.5, 256], [0, 0]])))
+    np.testing.assert_array_equal(bits(one[0].x), bits(bf16([[1.0078125, 1.0], [3.5, 256], [0, 0]])))
+    # Four nodes of one rank: every partial is one bf16 row, so the one-rounding result.
+    np.testing.assert_array_equal(bits(ref.combine(NODE_YS, handles, num_nvl_ranks=1)[0].x), bits(one[0].x))
+    # Weights are never rounded: the slots that named an expert come back, the -1 slots as 0.
+    expected_w = [[0.5, 0.25, 0.125, 0.0625], [1.0, 2.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    np.testing.assert_array_equal(two[0].topk_weights, expected_w)
+    np.testing.assert_array_equal(one[0].topk_weights, expected_w)
+    for r in (1, 2, 3):
+        assert two[r].x.shape == (0, 2) and two[r].topk_weights.shape == (0, 4)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Hand-worked FP8
 # ----------------------------------------------------------------------------------------------------------------
@@ -465,6 +506,82 @@ def test_worst_tokens_padding(num_ranks):
     worst_rank = [r.handle.num_recv_tokens for r in plain].index(most)
     with pytest.raises(ArgumentError, match=f"rank {worst_rank} receives {most} tokens"):
         ref.dispatch(xs, idx, w, num_experts, num_worst_tokens=most - 1)
+
+
+def random_combine_case(seed, num_ranks, hidden=64):
+    """A random routing dispatched, random expert outputs, a (bf16, float32) bias pair and the received weights."""
+    rng = np.random.default_rng(seed)
+    num_experts = 2 * num_ranks
+    xs, idx, w = random_routing(rng, num_ranks, num_experts, 3, hidden)
+    d = ref.dispatch(xs, idx, w, num_experts)
+    ys = [bf16(rng.standard_normal(r.x.shape)) for r in d]
+    bias = [(bf16(rng.standard_normal(x.shape)), rng.standard_normal(x.shape).astype(np.float32)) for x in xs]
+    return idx, w, ys, [r.handle for r in d], bias, [r.topk_weights for r in d]
+
+
+def two_level_combine_loop(ys, handles, bias, num_nvl_ranks):
+    """The internode combine written plainly: one token, one node, one rank at a time."""
+    num_ranks, hidden = len(handles), ys[0].shape[1]
+    row_of = [
+        {(int(s), int(t)): row for row, (s, t) in enumerate(zip(h.src_rank, h.src_token, strict=True))}
+        for h in handles
+    ]
+    out = []
+    for s in range(num_ranks):
+        x = np.zeros((handles[s].is_token_in_rank.shape[0], hidden), dtype=BF16)
+        for t in range(x.shape[0]):
+            acc = np.float32(0) + bias[s][0][t].astype(np.float32) + bias[s][1][t].astype(np.float32)
+            for m in range(num_ranks // num_nvl_ranks):
+                partial = None
+                for j in range(num_nvl_ranks):
+                    r = m * num_nvl_ranks + j
+                    if (s, t) in row_of[r]:
+                        y = ys[r][row_of[r][s, t]].astype(np.float32)
+                        partial = (np.zeros(hidden, np.float32) if partial is None else partial) + y
+                if partial is not None:
+                    acc = acc + partial.astype(BF16).astype(np.float32)
+            x[t] = acc.astype(BF16)
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_combine_one_node_is_intranode(num_ranks):
+    # num_nvl_ranks = R (one node) and None are the intranode formula, exactly the call without the argument.
+    _, _, ys, handles, bias, weights = random_combine_case(90 + num_ranks, num_ranks)
+    plain = ref.combine(ys, handles, topk_weights=weights, bias=bias)
+    for nvl in (None, num_ranks, np.int64(num_ranks)):
+        c = ref.combine(ys, handles, topk_weights=weights, bias=bias, num_nvl_ranks=nvl)
+        for a, b in zip(plain, c, strict=True):
+            np.testing.assert_array_equal(bits(a.x), bits(b.x))
+            np.testing.assert_array_equal(a.topk_weights, b.topk_weights)
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+def test_combine_one_rank_nodes_is_intranode(num_ranks):
+    # V = 1: each node partial is a single bf16 row, which bf16 rounding leaves as it is.
+    _, _, ys, handles, bias, weights = random_combine_case(100 + num_ranks, num_ranks)
+    plain = ref.combine(ys, handles, topk_weights=weights, bias=bias)
+    c = ref.combine(ys, handles, topk_weights=weights, bias=bias, num_nvl_ranks=1)
+    for a, b in zip(plain, c, strict=True):
+        np.testing.assert_array_equal(bits(a.x), bits(b.x))
+        np.testing.assert_array_equal(a.topk_weights, b.topk_weights)
+
+
+@pytest.mark.parametrize(("num_nodes", "num_nvl_ranks"), [(2, 2), (4, 2)])
+def test_combine_two_level_matches_loop(num_nodes, num_nvl_ranks):
+    num_ranks = num_nodes * num_nvl_ranks
+    idx, w, ys, handles, bias, weights = random_combine_case(110 + num_ranks, num_ranks)
+    c = ref.combine(ys, handles, topk_weights=weights, bias=bias, num_nvl_ranks=num_nvl_ranks)
+    plain = ref.combine(ys, handles, topk_weights=weights, bias=bias)
+    expected = two_level_combine_loop(ys, handles, bias, num_nvl_ranks)
+    for s in range(num_ranks):
+        np.testing.assert_array_equal(bits(c[s].x), bits(expected[s]))
+        # Each slot sums one weight and zeros, whatever the grouping: the original weights, exactly.
+        np.testing.assert_array_equal(c[s].topk_weights, plain[s].topk_weights)
+        np.testing.assert_array_equal(c[s].topk_weights, np.where(idx[s] >= 0, w[s], 0))
+    # The node partials' rounding shows somewhere (else this test would not tell the formulas apart).
+    assert any(not np.array_equal(bits(a.x), bits(b.x)) for a, b in zip(c, plain, strict=True))
 
 
 @pytest.mark.parametrize("num_ranks", [2, 4])
@@ -792,6 +909,20 @@ def test_validation_combine():
         ref.combine([d[0].x, other[1].x], [handles[0], other[1].handle])
     with pytest.raises(ArgumentError, match=r"bias\[0\] term 0 has shape \(2, 2\)"):
         ref.combine([r.x for r in d], handles, bias=[bf16(np.zeros((2, 2))), bf16(np.zeros((0, 2)))])
+
+
+
+def test_validation_combine_num_nvl_ranks():
+    d = ref.dispatch(NODE_X, NODE_IDX, None, 4)
+    handles = [r.handle for r in d]
+    for nvl in (3, 0, -2, 8):
+        with pytest.raises(ArgumentError) as e:
+            ref.combine(NODE_YS, handles, num_nvl_ranks=nvl)
+        assert str(e.value) == f"num_nvl_ranks={nvl} must be >= 1 and divide num_ranks=4"
+    for nvl in (2.0, "2", True):
+        with pytest.raises(ArgumentTypeError) as e:
+            ref.combine(NODE_YS, handles, num_nvl_ranks=nvl)
+        assert str(e.value) == f"num_nvl_ranks must be an int, got {nvl!r}"
 
 
 def test_calc_diff():
