@@ -4,6 +4,7 @@
 #
 #   launch/mpirun.sh NUM_RANKS script.py [args...]          e.g. launch/mpirun.sh 4 examples/moe_layer.py
 #   MPIRUN_ARGS="--hostfile hosts" launch/mpirun.sh 16 ...   extra mpirun arguments
+# Several hosts, one NVLink node each: launch/mpirun_multinode.sh HOSTFILE RANKS_PER_NODE script.py [args...]
 set -euo pipefail
 if [ $# -lt 2 ]; then
   echo "usage: $0 NUM_RANKS script.py [args...]" >&2
