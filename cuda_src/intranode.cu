@@ -33,26 +33,12 @@
 #include "copy.cuh"
 #include "intranode.cuh"
 #include "placement.cuh"
+#include "status.cuh"
 #include "ptx.cuh"
 #include "timeline.cuh"
 #include "wait.cuh"
 
 namespace epjit {
-
-// Status bits notify computes identically on every rank; dispatch does nothing if any is set, on every rank.
-constexpr int kStatusMetaMismatch = 1;   // hidden / num_experts / num_topk / flags differ across ranks
-constexpr int kStatusWorstTooSmall = 2;  // some rank would receive more rows than num_worst_tokens
-constexpr int kStatusLayoutTooBig = 4;   // some rank's layout does not fit its num_nvl_bytes
-constexpr int kStatusInvalidIds = 8;     // some rank's topk_idx has entries outside [-1, num_experts)
-constexpr int kStatusOverCapacity = 16;  // some rank would receive more rows than the outputs it allocated early
-constexpr int kMetaLayoutTooBig = 1 << 30;
-constexpr int kMetaInvalidIds = 1 << 29;
-constexpr int kFlagWorstTokens = 8;  // call flag: the receive capacity is num_worst_tokens (too small: an error)
-// Call flag: captured in a CUDA graph. host_out is then the graph's record, which the host reads whenever it next
-// checks, not after this call: notify writes it only when it refuses the call, so a refusal stays until read.
-constexpr int kFlagCaptured = 16;
-// Per-rank meta bits and flags, not meant to agree across ranks.
-constexpr int kOwnMetaBits = kMetaLayoutTooBig | kMetaInvalidIds | kFlagWorstTokens | kFlagCaptured;
 
 // EPJIT_PROFILE (timeline.cuh): the points dispatch and combine blocks stamp (epjit/kernels/intranode.py mirrors
 // them). Points several warp groups reach are stamped by each; the latest counts.
@@ -71,12 +57,6 @@ enum NotifyPoint {
     kNotifyAtBarrier = 2,   // block 0: every peer's too (the barrier passed)
     kNotifyAtEnd = 3,       // the block's results written (block 0: the host's counts published)
 };
-
-__device__ __forceinline__ void channel_range(int num_tokens, int num_channels, int channel, int& begin, int& end) {
-    const int per = (num_tokens + num_channels - 1) / num_channels;
-    begin = min(channel * per, num_tokens);
-    end = min(begin + per, num_tokens);
-}
 
 // Whether tokens t .. t + 31 go to rank `dst` (bit i: token t + i; 0 past `end`), one load a warp: the token
 // loops walk this mask instead of loading each token's flag in turn, a dependent memory round trip a token.
@@ -213,32 +193,8 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
     if (blockIdx.x > 0) {
         if (cached) return;  // a cached handle brings its channel_prefix_matrix
         const int dst = static_cast<int>(blockIdx.x) - 1;
-        const int warp = t / 32, lane = t % 32, num_warps = static_cast<int>(blockDim.x) / 32;
-        __shared__ int s_counts[kMaxChannels];
-        for (int c = warp; c < num_channels; c += num_warps) {
-            int begin, end;
-            channel_range(num_tokens, num_channels, c, begin, end);
-            int count = 0;
-            for (int i = begin + lane; i < end; i += 32)
-                count += is_token_in_rank[static_cast<int64_t>(i) * kNumRanks + dst] ? 1 : 0;
-            count = warp_sum(count);
-            if (lane == 0) s_counts[c] = count;
-        }
-        __syncthreads();
-        // Prefix sum over channels by one warp, 32 channels a step (a serial loop through global memory, each
-        // add waiting for the store before it, cost a memory round trip a channel).
-        if (warp == 0) {
-            int carry = 0;
-            for (int base = 0; base < num_channels; base += 32) {
-                int v = base + lane < num_channels ? s_counts[base + lane] : 0;
-                for (int o = 1; o < 32; o <<= 1) {
-                    const int up = __shfl_up_sync(0xffffffffu, v, o);
-                    if (lane >= o) v += up;
-                }
-                if (base + lane < num_channels) channel_prefix_matrix[dst * num_channels + base + lane] = carry + v;
-                carry += __shfl_sync(0xffffffffu, v, 31);
-            }
-        }
+        channel_prefix_block(is_token_in_rank, num_tokens, kNumRanks, dst, 1, num_channels,
+                             channel_prefix_matrix + dst * num_channels);
         timeline_mark(timeline, kNotifyAtEnd);
         return;
     }

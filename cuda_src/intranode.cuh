@@ -21,14 +21,14 @@
 // publishes its head locally; the sender reads the head and writes data + tail over NVLink.
 #pragma once
 
+#include "channels.cuh"
 #include "peers.cuh"
 
 namespace epjit {
 
 __host__ __device__ constexpr int64_t align128(int64_t n) { return (n + 127) / 128 * 128; }
 
-// Channels a call may use (epjit/config.py: MAX_CHANNELS): every Buffer's header holds a barrier row for each.
-constexpr int kMaxChannels = 128;
+// Every Buffer's header holds a barrier row for each channel a call may use (channels.cuh: kMaxChannels).
 static_assert(kNvlChannelBarrierOffset + kMaxChannels * kMaxNvlRanks * 4 <= kNvlHeaderBytes,
               "the channel barrier rows must fit the NVLink buffer's header");
 

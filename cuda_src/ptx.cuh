@@ -37,6 +37,11 @@ __device__ __forceinline__ int ld_volatile_s32(const int* p) {
     asm volatile("ld.volatile.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+__device__ __forceinline__ uint64_t ld_volatile_u64(const uint64_t* p) {
+    uint64_t v;
+    asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
 __device__ __forceinline__ int ld_relaxed_sys_s32(const int* p) {
     int v;
     asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -97,6 +102,9 @@ __device__ __forceinline__ void red_add_relaxed_sys_s32(int* p, int v) {
 }
 __device__ __forceinline__ void red_add_release_gpu_s32(int* p, int v) {
     asm volatile("red.release.gpu.global.add.s32 [%0], %1;" : : "l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void red_add_release_sys_u64(uint64_t* p, uint64_t v) {
+    asm volatile("red.release.sys.global.add.u64 [%0], %1;" : : "l"(p), "l"(v) : "memory");
 }
 __device__ __forceinline__ int atom_add_acq_rel_sys_s32(int* p, int v) {
     int old;

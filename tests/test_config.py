@@ -68,7 +68,7 @@ def test_default_warp_roles():
     for r, s in roles.items():
         assert warps - (r - 1) * (s.dispatch_send_warps + s.dispatch_drain_warps) == {1: 24, 2: 6, 4: 3, 8: 3}[r]
         assert (r - 1) * s.combine_send_warps + 1 < warps  # a coordinator and at least one reader remain
-    assert f"kMaxChannels = {MAX_CHANNELS};" in (CUDA_SRC / "intranode.cuh").read_text()
+    assert f"kMaxChannels = {MAX_CHANNELS};" in (CUDA_SRC / "channels.cuh").read_text()
 
 
 def test_warp_roles_are_config_fields_and_their_chunks():
@@ -175,9 +175,9 @@ def test_size_formula_matches_the_device_layout_regions():
 
 
 def test_notify_meta_and_status_mirror_the_kernel():
-    """The host reads notify's meta and status words with the layout and bits intranode.cu(h) writes (the family's
-    public protocol constants, epjit.ops.intranode)."""
-    header, source = (CUDA_SRC / "intranode.cuh").read_text(), (CUDA_SRC / "intranode.cu").read_text()
+    """The host reads notify's meta and status words with the layout and bits intranode.cuh and status.cuh define
+    (the family's public protocol constants, epjit.ops.intranode)."""
+    header, source = (CUDA_SRC / "intranode.cuh").read_text(), (CUDA_SRC / "status.cuh").read_text()
     assert f"kMetaInts = {META_INTS};" in header and f"kMetaCompared = {META_COMPARED};" in header
     for name, value in (("kStatusMetaMismatch", ops.STATUS_META_MISMATCH),
                         ("kStatusWorstTooSmall", ops.STATUS_WORST_TOO_SMALL),

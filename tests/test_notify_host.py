@@ -208,7 +208,7 @@ def _closable_with_refusal(monkeypatch: pytest.MonkeyPatch) -> tuple[Buffer, lis
     intranode = object.__new__(ops.Intranode)  # only the host-record state: no group, no GPU
     intranode.records = records
     buf = object.__new__(Buffer)
-    buf._closed, buf._ll, buf._intranode, buf.comm_stream = False, None, intranode, None
+    buf._closed, buf._ll, buf._normal_ops, buf.comm_stream = False, None, intranode, None
     buf.mem = SimpleNamespace(synchronize=lambda stream: None, close=lambda: released.append("peer memory"))
     monkeypatch.setattr(Buffer, "_caller_capturing", lambda self: False)
     _, event = _worst_call(records, ops.STATUS_WORST_TOO_SMALL)

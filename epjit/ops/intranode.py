@@ -45,7 +45,7 @@ from .loader import load
 from .profile import Profile
 from .streams import POISON_BYTE, Event, Outputs, Streams, caller_stream, is_capturing
 
-# Status bits of notify (kStatus* in cuda_src/intranode.cuh): why every rank refused a call.
+# Status bits of notify (kStatus* in cuda_src/status.cuh): why every rank refused a call.
 STATUS_META_MISMATCH, STATUS_WORST_TOO_SMALL, STATUS_LAYOUT_TOO_BIG, STATUS_INVALID_IDS = 1, 2, 4, 8
 STATUS_OVER_CAPACITY = 16  # some rank's rows do not fit the outputs allocated for them
 # Flags each rank announces in its meta (kFlag*), and meta bits a rank sets about itself (kMeta*).
@@ -63,13 +63,14 @@ HOST_RECORD_BYTES = 4096  # a record's least size and its share of the pool (mor
 RATE_HISTORY = 32  # dispatches whose received rows per token size the next one's outputs (RowEstimate)
 
 
-def expert_counts_at(num_ranks: int) -> int:
-    """Where the host record's rows per local expert start: after [0] rows, [1] status, the metas and the totals."""
-    return 2 + (META_INTS + 1) * num_ranks
+def expert_counts_at(num_ranks: int, forwarded: bool = False) -> int:
+    """Where the host record's rows per local expert start: after [0] rows, [1] status, the metas and the totals
+    (and, across nodes, the tokens each rank forwards)."""
+    return 2 + (META_INTS + (2 if forwarded else 1)) * num_ranks
 
 
-def host_record_bytes(num_ranks: int, num_experts: int) -> int:
-    return max(4 * (expert_counts_at(num_ranks) + num_experts // num_ranks), HOST_RECORD_BYTES)
+def host_record_bytes(num_ranks: int, num_experts: int, forwarded: bool = False) -> int:
+    return max(4 * (expert_counts_at(num_ranks, forwarded) + num_experts // num_ranks), HOST_RECORD_BYTES)
 
 
 def describe_meta(name: str, value: int) -> str:
@@ -80,8 +81,10 @@ def describe_meta(name: str, value: int) -> str:
 
 
 def refusal(ints: np.ndarray, num_ranks: int, num_nvl_bytes: int, num_worst_tokens: int,
-            replayed: bool = False) -> ArgumentError | None:
-    """What a notify record says was refused, as the error to raise (None when its status is 0)."""
+            replayed: bool = False, forwarded: bool = False) -> ArgumentError | None:
+    """What a notify record says was refused, as the error to raise (None when its status is 0). ``forwarded``: an
+    internode record, whose metas also carry the forwarded-token capacity and a config tag, and whose totals are
+    followed by the tokens each rank forwards."""
     status = int(ints[1])
     if status == 0:
         return None
@@ -90,27 +93,35 @@ def refusal(ints: np.ndarray, num_ranks: int, num_nvl_bytes: int, num_worst_toke
     totals = ints[2 + META_INTS * r:2 + (META_INTS + 1) * r].copy()
     problems = []
     if status & STATUS_LAYOUT_TOO_BIG:
-        problems.append(f"the call's rings do not fit num_nvl_bytes={num_nvl_bytes} on some rank "
-                        "(a larger Buffer or smaller Config.nvl_chunk_recv / num_sms)")
+        buffers = "num_nvl_bytes / num_rdma_bytes" if forwarded else f"num_nvl_bytes={num_nvl_bytes}"
+        problems.append(f"the call's rings do not fit {buffers} on some rank (a larger Buffer or a smaller Config: "
+                        "chunk sizes / num_sms)")
     if status & STATUS_INVALID_IDS:
         ranks = [i for i in range(r) if meta[i, 3] & META_INVALID_IDS]
         problems.append(f"topk_idx has entries outside [-1, num_experts={int(meta[ranks[0], 1])}) on rank(s) "
                         f"{', '.join(map(str, ranks))}")
     if status & STATUS_META_MISMATCH:
-        for j, name in enumerate(META_NAMES):
+        compared = list(enumerate(META_NAMES)) + ([(7, "config")] if forwarded else [])
+        for j, name in compared:
             column = meta[:, j] & ~OWN_META_BITS if name == "flags" else meta[:, j]
             if len(set(column.tolist())) > 1:
                 values = ", ".join(f"rank {i}: {describe_meta(name, int(v))}" for i, v in enumerate(column))
                 problems.append(f"{name} differs across ranks: {values}")
+    capacities = [("rows received", totals, 4)]
+    if forwarded:
+        capacities.append(("tokens forwarded", ints[2 + (META_INTS + 1) * r:2 + (META_INTS + 2) * r].copy(), 5))
     if status & STATUS_WORST_TOO_SMALL:
-        values = ", ".join(f"rank {i}: {int(v)} for {int(meta[i, 4])}" for i, v in enumerate(totals)
-                           if meta[i, 3] & FLAG_WORST_TOKENS and v > meta[i, 4])
-        problems.append(f"num_worst_tokens={num_worst_tokens} is too small for what arrives (rows received for "
-                        f"num_worst_tokens: {values})")
+        for what, counts, column in capacities:
+            values = ", ".join(f"rank {i}: {int(v)} for {int(meta[i, column])}" for i, v in enumerate(counts)
+                               if meta[i, 3] & FLAG_WORST_TOKENS and v > meta[i, column])
+            if values:
+                problems.append(f"num_worst_tokens={num_worst_tokens} is too small for what arrives ({what} for "
+                                f"num_worst_tokens: {values})")
     if status & STATUS_OVER_CAPACITY and not problems:
-        values = ", ".join(f"rank {i}: {int(v)} for {int(meta[i, 4])}" for i, v in enumerate(totals)
-                           if meta[i, 4] < v)
-        problems.append(f"the routing does not match the handle's (rows received for rows expected: {values})")
+        values = "; ".join(f"{what}: " + ", ".join(f"rank {i}: {int(v)} for {int(meta[i, column])}"
+                                                   for i, v in enumerate(counts) if meta[i, column] < v)
+                           for what, counts, column in capacities if (meta[:, column] < counts).any())
+        problems.append(f"the routing does not match the handle's ({values})")
     what = "a dispatch replayed from a CUDA graph was" if replayed else "dispatch"
     return ArgumentError(with_rank(f"{what} refused on every rank: " + "; ".join(problems)))
 
@@ -128,8 +139,9 @@ class HostRecords:
     and the worst-token calls whose record is not read yet, oldest first."""
 
     def __init__(self, rank: int, num_ranks: int, num_nvl_bytes: int, graph_experts: int,
-                 raise_for: Callable[[BaseException], None]) -> None:
+                 raise_for: Callable[[BaseException], None], forwarded: bool = False) -> None:
         self.rank, self.num_ranks, self.num_nvl_bytes = rank, num_ranks, num_nvl_bytes
+        self.forwarded = forwarded  # internode records (refusal's forwarded)
         self.raise_for = raise_for  # turns a CUDA error met while waiting into the error to raise
         self.records: list[MappedHostArray | None] = [None] * HOST_RECORDS
         self.calls = [-1] * HOST_RECORDS  # the dispatch (numbered from 0) that last used each record
@@ -137,7 +149,7 @@ class HostRecords:
         self.pending: collections.deque[_Pending] = collections.deque()
         self.pool: MappedHostArray | None = None
         # Made now: pinned memory cannot be allocated during a capture. One cudaHostAlloc for the pool.
-        self.graph = MappedHostArray(host_record_bytes(num_ranks, max(graph_experts, 4096)))
+        self.graph = MappedHostArray(host_record_bytes(num_ranks, max(graph_experts, 4096), forwarded))
         try:
             self.pool = MappedHostArray(HOST_RECORDS * HOST_RECORD_BYTES)
         except BaseException:
@@ -147,7 +159,7 @@ class HostRecords:
 
     def take(self, num_experts: int, captured: bool) -> tuple[MappedHostArray, int]:
         """The record notify fills for this dispatch, and the call's number (-1 for a captured one)."""
-        need = host_record_bytes(self.num_ranks, num_experts)
+        need = host_record_bytes(self.num_ranks, num_experts, self.forwarded)
         if captured:
             if need > self.graph.num_bytes:
                 raise ArgumentError(with_rank(f"a dispatch captured in a CUDA graph takes up to 4096 experts (or the "
@@ -181,7 +193,8 @@ class HostRecords:
             seen = graph.ints.copy()
             graph.ints[1] = 0
             me = self.rank % self.num_ranks
-            error = refusal(seen, self.num_ranks, self.num_nvl_bytes, int(seen[2 + META_INTS * me + 4]), True)
+            error = refusal(seen, self.num_ranks, self.num_nvl_bytes, int(seen[2 + META_INTS * me + 4]), True,
+                            self.forwarded)
             if error is not None:
                 raise error
 
@@ -194,7 +207,8 @@ class HostRecords:
             if type(e).__name__ == "CUDARuntimeError":  # a kernel trapped (a timed-out wait): say what it waited for
                 self.raise_for(e)
             raise
-        error = refusal(pending.record.ints, self.num_ranks, self.num_nvl_bytes, pending.num_worst_tokens)
+        error = refusal(pending.record.ints, self.num_ranks, self.num_nvl_bytes, pending.num_worst_tokens,
+                        forwarded=self.forwarded)
         if error is not None:
             raise error
 
@@ -331,6 +345,7 @@ class LayoutInputs(NamedTuple):
     in_rank_owner: Any
     invalid: int
     keep: tuple[Any, ...]  # arrays an async torch call must mark as used on the communication stream
+    per_node: Any = 0  # num_tokens_per_rdma_rank, across nodes
 
 
 @dataclass(eq=False)
@@ -383,9 +398,10 @@ class Intranode:
         self.device = device
         self.num_ranks = mem.group.size
         self.num_nvl_bytes = mem.nvl.num_bytes if mem.nvl is not None else 0
-        self.notify_module = load(IntranodeNotifySpec(self.num_ranks), device)
-        self._modules: dict[IntranodeSpec, jit.Module] = {}
-        self.records = HostRecords(mem.group.rank, self.num_ranks, self.num_nvl_bytes, num_experts, mem.raise_for)
+        self.notify_module = load(self._notify_spec(), device)
+        self._modules: dict[Any, jit.Module] = {}
+        self.records = HostRecords(mem.group.rank, self.num_ranks, self.num_nvl_bytes, num_experts, mem.raise_for,
+                                   self.FORWARDED)
         self.estimate = RowEstimate(self.num_ranks)
         try:
             with cupy.cuda.Device(device):
@@ -399,7 +415,12 @@ class Intranode:
         base = int(self._claims.data.ptr)
         self.claims = (base, base + 4 * CLAIMS_INTS)
 
-    def module(self, spec: IntranodeSpec) -> jit.Module:
+    FORWARDED = False  # whether notify's records count forwarded tokens (the internode family's do)
+
+    def _notify_spec(self) -> Any:
+        return IntranodeNotifySpec(self.num_ranks)
+
+    def module(self, spec: Any) -> jit.Module:
         """The dispatch/combine module of these warp roles (loaded on first use)."""
         found = self._modules.get(spec)
         if found is None:
@@ -451,6 +472,11 @@ class Intranode:
             "intranode_combine", peers=self.mem.table_ptr, claims=self.claims[1], num_tokens=handle.num_tokens,
             hidden=handle.hidden, num_topk=handle.num_topk, num_channels=handle.num_channels,
             num_slots=config.nvl_chunk_recv, num_max_send_tokens=config.nvl_chunk_send, timeline=0)
+        return self._combine_plan(framework, kind, handle, with_weights, args, module)
+
+    def _combine_plan(self, framework: str, kind: str, handle: DispatchHandle, with_weights: bool,
+                      args: jit.KernelArgs, module: jit.Module) -> CombinePlan:
+        """A combine plan of these constant arguments: its outputs' allocators and its grid."""
         out = self.outputs
         new_out = out.allocator(kind, (handle.num_tokens, handle.hidden), out.dtype(kind, "bfloat16"))
         new_weights = out.allocator(kind, (handle.num_tokens, handle.num_topk), out.dtype(kind, "float32")) \
@@ -460,16 +486,21 @@ class Intranode:
 
     # ---------------------------------------------------------------------------------------------------- dispatch
 
-    def _ints(self, num_channels: int, num_tokens: int, capacity: int,
-              handle: DispatchHandle | None) -> tuple[Ints, ...]:
+    def _ints(self, plan: DispatchPlan, capacity: tuple[int, ...], handle: DispatchHandle | None) -> tuple[Ints, ...]:
         """rank_prefix_matrix and channel_prefix_matrix (a replayed handle's), recv_channel_offset, send_head,
         recv_src_idx and the status word of one dispatch, carved from one CuPy allocation on the communication
         stream: one allocation and no array objects."""
+        r, num_channels = self.num_ranks, plan.num_channels
+        shapes = [(r, r), (r, num_channels)] if handle is None else []
+        shapes += [(r, num_channels), (plan.num_tokens, r), (capacity[0],), (1,)]
+        parts = self._carve(shapes)
+        return parts if handle is None else (handle.rank_prefix_ints, handle.channel_prefix_ints, *parts)
+
+    def _carve(self, shapes: list[tuple[int, ...]]) -> tuple[Ints, ...]:
+        """int32 arrays of these shapes, each 256-byte aligned, in one CuPy allocation on the communication stream
+        (poisoned where outputs are)."""
         import cupy
 
-        r = self.num_ranks
-        shapes = [(r, r), (r, num_channels)] if handle is None else []
-        shapes += [(r, num_channels), (num_tokens, r), (capacity,), (1,)]
         offsets, total = [], 0
         for shape in shapes:
             offsets.append(total)
@@ -479,8 +510,7 @@ class Intranode:
             if self.outputs.poison:
                 owner.view(cupy.uint8).fill(POISON_BYTE)
         base = int(owner.data.ptr)
-        parts = tuple(Ints(owner, o, shape, base + 4 * o) for o, shape in zip(offsets, shapes, strict=True))
-        return parts if handle is None else (handle.rank_prefix_ints, handle.channel_prefix_ints, *parts)
+        return tuple(Ints(owner, o, shape, base + 4 * o) for o, shape in zip(offsets, shapes, strict=True))
 
     def dispatch(self, plan: DispatchPlan, inputs: DispatchInputs, layout: LayoutInputs | None,
                  handle: DispatchHandle | None, buffer_id: int, previous_event: Event | None,
@@ -497,29 +527,18 @@ class Intranode:
         flags = plan.flags | (FLAG_CAPTURED if call < 0 else 0)  # notify writes the graph's record only on refusal
         streams.begin(caller, previous_event)
         profile.mark("validated", streams.comm)
-        estimated = False
-        if plan.num_worst_tokens > 0:
-            capacity = plan.num_worst_tokens
-        elif handle is not None and handle.num_recv_tokens >= 0:
-            capacity = handle.num_recv_tokens
-        else:  # no handle, or one from a worst-token dispatch (its row count never reached the host)
-            capacity, estimated = self.estimate.rows(plan.num_tokens), True
-        if handle is None:
-            assert layout is not None
-            per_rank, per_expert, in_rank, in_rank_owner, invalid = layout[:5]
-        else:
-            per_rank = per_expert = invalid = 0
-            in_rank, in_rank_owner = handle.in_rank_ptr, handle.in_rank_owner
+        capacity, estimated = self._capacity(plan, handle)
+        counts, in_rank, in_rank_owner = self._counts(layout, handle)
         host_ints = host.ints
         grid = normal_grid(plan.num_channels, self.num_device_sms)
         notify, dispatch = plan.notify_args, plan.dispatch_args
-        notify.set(num_tokens_per_rank=per_rank, num_tokens_per_expert=per_expert, is_token_in_rank=in_rank,
-                   flags=flags, invalid_ids=invalid, host_out=host.device_ptr)
+        notify.set(is_token_in_rank=in_rank, flags=flags, host_out=host.device_ptr, **counts)
         dispatch.set(x=inputs.x_arg, x_scales=inputs.scales_arg, topk_idx=inputs.idx_arg,
                      topk_weights=inputs.weights_arg, is_token_in_rank=in_rank)
+        record: list[int] = []
         for attempt in range(2):
-            ints = self._ints(plan.num_channels, plan.num_tokens, capacity, handle)
-            outs = tuple(new(capacity) if new is not None else None for new in plan.new_outputs)
+            ints = self._ints(plan, capacity, handle)
+            outs = tuple(new(capacity[0]) if new is not None else None for new in plan.new_outputs)
             profile.mark("allocated", streams.comm)
             host_ints[0], host_ints[1] = -1, 0
             self._launch_dispatch(plan, grid, capacity, ints, outs)
@@ -527,31 +546,31 @@ class Intranode:
             # slower than dispatch would put its own time on the caller's stream.
             event = streams.finish(caller, async_finish)
             if plan.num_worst_tokens > 0:
-                num_rows, num_recv, per_expert_counts = plan.num_worst_tokens, -1, []
+                num_rows, per_expert_counts = plan.num_worst_tokens, []
                 break
             self._wait_for_counts(host)
             profile.mark("host_synced")
             # the record's head and per-expert counts as Python ints in one read (each numpy index costs one)
             record = host_ints[:plan.record_ints].tolist()
-            num_recv = num_rows = record[0]
+            num_rows = record[0]
             if record[1]:
                 if record[1] == STATUS_OVER_CAPACITY and estimated and attempt == 0:
-                    capacity = num_recv  # every rank stopped; each runs again with its exact rows
+                    capacity = self._exact(record)  # every rank stopped; each runs again with its exact sizes
                     self.estimate.retries += 1
                     continue
-                error = refusal(host_ints, self.num_ranks, self.num_nvl_bytes, 0)
+                error = refusal(host_ints, self.num_ranks, self.num_nvl_bytes, 0, forwarded=self.records.forwarded)
                 if error is not None:
                     raise error
-            self.estimate.saw(plan.num_tokens, num_recv)
-            per_expert_counts = self._after_counts(plan, record, handle, num_recv)
+            self._saw(plan, record)
+            per_expert_counts = self._after_counts(plan, record, handle, num_rows)
             profile.mark("counted")
-            if num_rows < capacity:
+            if num_rows < capacity[0]:
                 outs = self._shrink(plan, outs, num_rows)
             profile.mark("shrunk")
             break
         if plan.num_worst_tokens > 0 and call >= 0:  # its record is read once this event is done
             self.records.add_pending(call, streams.mark(), host, plan.num_worst_tokens)
-        new_handle = DispatchHandle(ints, in_rank, in_rank_owner, num_recv, num_rows, plan, buffer_id)
+        new_handle = self._new_handle(ints, in_rank, in_rank_owner, record, num_rows, plan, buffer_id)
         if plan.kind == "torch":
             if async_finish:
                 x = inputs.x if isinstance(inputs.x, (tuple, list)) else (inputs.x,)
@@ -563,12 +582,46 @@ class Intranode:
         profile.mark("returned")
         return result
 
-    def _launch_dispatch(self, plan: DispatchPlan, grid: int, capacity: int, ints: tuple[Ints, ...],
+    # The steps of dispatch a family of its own (internode) does its own way. A capacity is the rows of output
+    # allocated, then (internode) the tokens this rank may forward.
+
+    def _capacity(self, plan: DispatchPlan, handle: DispatchHandle | None) -> tuple[tuple[int, ...], bool]:
+        """Rows of output to allocate before the counts, and whether they are an estimate."""
+        if plan.num_worst_tokens > 0:
+            return (plan.num_worst_tokens,), False
+        if handle is not None and handle.num_recv_tokens >= 0:
+            return (handle.num_recv_tokens,), False
+        # no handle, or one from a worst-token dispatch (its row count never reached the host)
+        return (self.estimate.rows(plan.num_tokens),), True
+
+    @staticmethod
+    def _counts(layout: LayoutInputs | None, handle: DispatchHandle | None) -> tuple[dict[str, Any], Any, Any]:
+        """Notify's count arguments, and is_token_in_rank with what keeps it alive (a replay's, from its handle)."""
+        if handle is None:
+            assert layout is not None
+            return ({"num_tokens_per_rank": layout.per_rank, "num_tokens_per_expert": layout.per_expert,
+                     "invalid_ids": layout.invalid}, layout.in_rank, layout.in_rank_owner)
+        return ({"num_tokens_per_rank": 0, "num_tokens_per_expert": 0, "invalid_ids": 0}, handle.in_rank_ptr,
+                handle.in_rank_owner)
+
+    @staticmethod
+    def _exact(record: list[int]) -> tuple[int, ...]:
+        return (record[0],)
+
+    def _saw(self, plan: DispatchPlan, record: list[int]) -> None:
+        self.estimate.saw(plan.num_tokens, record[0])
+
+    @staticmethod
+    def _new_handle(ints: tuple[Ints, ...], in_rank: int, in_rank_owner: Any, record: list[int], num_rows: int,
+                    plan: DispatchPlan, buffer_id: int) -> DispatchHandle:
+        return DispatchHandle(ints, in_rank, in_rank_owner, record[0] if record else -1, num_rows, plan, buffer_id)
+
+    def _launch_dispatch(self, plan: DispatchPlan, grid: int, capacity: tuple[int, ...], ints: tuple[Ints, ...],
                          outs: tuple[Any, ...]) -> None:
         profile, comm, address, kind = self.profile, self.streams.comm_ptr, self.outputs.address, plan.kind
         rank_prefix, channel_prefix, recv_channel_offset, send_head, recv_src, status = ints
         notify = plan.notify_args.set(
-            recv_capacity=capacity, rank_prefix_matrix=rank_prefix.ptr, channel_prefix_matrix=channel_prefix.ptr,
+            recv_capacity=capacity[0], rank_prefix_matrix=rank_prefix.ptr, channel_prefix_matrix=channel_prefix.ptr,
             call_status=status.ptr, timeline=profile.timeline("notify", 1 + self.num_ranks, NOTIFY_TIMELINE_POINTS))
         self.notify_module.launch(notify, 1 + self.num_ranks, 128, stream=comm)
         profile.mark("notify", self.streams.comm)
@@ -641,15 +694,13 @@ class Intranode:
             out_ptr, out_w_ptr = out.data_ptr(), out_w.data_ptr() if out_w is not None else 0
         else:
             out_ptr, out_w_ptr = out.data.ptr, out_w.data.ptr if out_w is not None else 0
-        args = plan.args.set(
-            y=y_arg, y_topk_weights=weights_arg, bias0=bias_args[0], bias1=bias_args[1],
-            rank_prefix_matrix=handle.rank_prefix_ints.ptr, recv_channel_offset=handle.recv_channel_offset_ints.ptr,
-            send_head=handle.send_head_ints.ptr, dispatch_status=handle.status_ints.ptr, out_x=out_ptr,
-            out_topk_weights=out_w_ptr)
+        args = plan.args.set(y=y_arg, y_topk_weights=weights_arg, bias0=bias_args[0], bias1=bias_args[1],
+                             out_x=out_ptr, out_topk_weights=out_w_ptr, **self._handle_args(handle))
         if profile.enabled:
             profile.start()
             profile.mark("validated", streams.comm)
-            args.set(timeline=profile.timeline("combine", plan.grid, TIMELINE_POINTS))
+            if "timeline" in args.spec.KERNELS[args.kernel][-1]:  # (the internode kernels stamp no timeline)
+                args.set(timeline=profile.timeline("combine", plan.grid, TIMELINE_POINTS))
         plan.module.launch(args, plan.grid, NUM_THREADS, stream=streams.comm_ptr)
         if profile.enabled:
             profile.mark("combine", streams.comm)
@@ -663,6 +714,14 @@ class Intranode:
         if profile.enabled:
             profile.mark("returned")
         return result
+
+
+    @staticmethod
+    def _handle_args(handle: DispatchHandle) -> dict[str, int]:
+        """What combine's kernel takes of the handle."""
+        return {"rank_prefix_matrix": handle.rank_prefix_ints.ptr,
+                "recv_channel_offset": handle.recv_channel_offset_ints.ptr, "send_head": handle.send_head_ints.ptr,
+                "dispatch_status": handle.status_ints.ptr}
 
 
 def _hand_over(outs: tuple[Any, ...], framework: str, caller: int, fp8: bool) -> tuple[Any, ...]:
