@@ -19,7 +19,17 @@ from typing import Any
 
 from . import arrays
 from .arrays import address, fingerprint
-from .config import MAX_CHANNELS, Config, config_key, get_combine_config, get_dispatch_config, normal_size_hint
+from .config import (
+    MAX_CHANNELS,
+    Config,
+    check_internode_need,
+    check_normal_sizes,
+    config_key,
+    get_combine_config,
+    get_dispatch_config,
+    normal_size_hint,
+    rdma_size_hint,
+)
 from .env import settings
 from .errors import ArgumentError, ArgumentTypeError, EpjitError, SetupError, check_flag, check_int, with_rank
 from .group import Group
@@ -32,6 +42,7 @@ from .kernels.low_latency import (
     low_latency_size_hint,
 )
 from .memory import PeerMemory
+from .ops.internode import Internode
 from .ops.intranode import CombineResult, DispatchHandle, DispatchInputs, DispatchResult, Intranode, LayoutInputs
 from .ops.layout import DispatchLayout, Layout
 from .ops.loader import load
@@ -77,12 +88,13 @@ class Buffer:
         if self.low_latency_mode:
             num_rdma_bytes = self._check_low_latency_sizes(num_rdma_bytes)
         if num_nvl_bytes or not self.low_latency_mode:  # normal mode (a low-latency Buffer may have both)
-            self._check_normal_sizes(num_nvl_bytes)
+            check_normal_sizes(group.size, group.num_nvl_ranks, num_nvl_bytes, num_rdma_bytes, self.num_experts,
+                               self.low_latency_mode)
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self._settings = settings()  # read once: the environment is not re-read on the hot path
         self._device = group.device
         self.mem = PeerMemory.create(group, self.num_nvl_bytes, self.num_rdma_bytes)
-        self._intranode: Intranode | None = None
+        self._normal_ops: Intranode | None = None  # the normal-mode family: Intranode, or Internode across nodes
         self._ll: LowLatency | None = None
         try:
             self._streams = Streams(group.device)
@@ -90,16 +102,18 @@ class Buffer:
             self._profile = Profile(self._settings.profile)
             if self.num_nvl_bytes:
                 self._layout = Layout(self._streams, self._outputs, group.device, group.size, group.num_nvl_ranks)
-                self._intranode = Intranode(self.mem, self._streams, self._outputs, self._profile, group.device,
-                                            self.num_experts)
-                self._dispatch_config = get_dispatch_config(self.num_ranks)  # what a call without a config gets
-                self._combine_config = get_combine_config(self.num_ranks)
+                args = (self.mem, self._streams, self._outputs, self._profile, group.device, self.num_experts)
+                self._normal_ops = Intranode(*args) if group.num_nvl_ranks == group.size else \
+                    Internode(*args, max(self.num_experts, 4096))
+                # what a call without a config gets
+                self._dispatch_config = get_dispatch_config(self.num_ranks, num_nvl_ranks=group.num_nvl_ranks)
+                self._combine_config = get_combine_config(self.num_ranks, num_nvl_ranks=group.num_nvl_ranks)
             if self.low_latency_mode:
                 self._ll = LowLatency(self.mem, self._streams, self._outputs, self._profile, group.device,
                                       self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts,
                                       self._settings.ll_force_puts, self._settings.ll_num_sms)
         except BaseException:
-            for family in (self._ll, self._intranode):
+            for family in (self._ll, self._normal_ops):
                 if family is not None:
                     family.close()
             self.mem.close()
@@ -107,18 +121,6 @@ class Buffer:
         self.comm_stream = self._streams.comm
         self._plans: dict[tuple[Any, ...], Any] = {}
         self._closed = False
-
-    def _check_normal_sizes(self, num_nvl_bytes: int) -> None:
-        group = self.group
-        if group.num_nvl_ranks != group.size:
-            raise SetupError(with_rank(
-                f"normal mode across NVLink nodes is not available yet ({group.size} ranks in nodes of "
-                f"{group.num_nvl_ranks}): use one NVLink node (num_nvl_ranks = size)"))
-        minimum = intranode_min_nvl_bytes(group.size, MAX_CHANNELS)
-        if num_nvl_bytes < minimum:
-            raise ArgumentError(with_rank(
-                f"num_nvl_bytes={num_nvl_bytes} is below the {minimum} bytes of control words every call "
-                f"needs; Buffer.get_normal_size_hint(...) gives a size for given shapes"))
 
     def _check_low_latency_sizes(self, num_rdma_bytes: int) -> int:
         """Validate a low-latency Buffer's sizes (the same on every rank); returns the heap bytes to reserve."""
@@ -164,7 +166,7 @@ class Buffer:
             except ArgumentError as e:
                 refusal = e
         finally:
-            for family in (self._intranode, self._ll):
+            for family in (self._normal_ops, self._ll):
                 if family is not None:
                     family.close()
             self.mem.close()
@@ -185,10 +187,18 @@ class Buffer:
 
     @staticmethod
     def get_normal_size_hint(num_ranks: int, hidden: int, num_topk: int = 8, num_experts: int = 256,
-                             config: Config | None = None) -> int:
-        """num_nvl_bytes for normal-mode dispatch and combine of these sizes with the default (or given) config."""
-        return max(normal_size_hint(num_ranks, hidden, num_topk, num_experts, config),  # checks the sizes first
-                   intranode_min_nvl_bytes(int(num_ranks), MAX_CHANNELS))
+                             config: Config | None = None, num_nvl_ranks: int | None = None) -> int:
+        """num_nvl_bytes for normal-mode dispatch and combine of these sizes with the default (or given) config;
+        across NVLink nodes (num_nvl_ranks < num_ranks) what the internode kernels need of it."""
+        hint = normal_size_hint(num_ranks, hidden, num_topk, num_experts, config, num_nvl_ranks)  # checks sizes
+        return hint if hint and num_nvl_ranks not in (None, num_ranks) else \
+            max(hint, intranode_min_nvl_bytes(int(num_ranks), MAX_CHANNELS))
+
+    @staticmethod
+    def get_rdma_size_hint(num_ranks: int, hidden: int, num_topk: int = 8, num_experts: int = 256,
+                           config: Config | None = None, num_nvl_ranks: int | None = None) -> int:
+        """num_rdma_bytes (symmetric heap) for normal mode across NVLink nodes with these sizes (0 in one node)."""
+        return rdma_size_hint(num_ranks, hidden, num_topk, num_experts, config, num_nvl_ranks)
 
     @staticmethod
     def get_low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -232,10 +242,10 @@ class Buffer:
 
     def _normal(self) -> Intranode:
         self._check_open()
-        if self._intranode is None:
+        if self._normal_ops is None:
             raise EpjitError(with_rank("this Buffer has no NVLink buffer (num_nvl_bytes=0): normal-mode calls need "
                                        "one (Buffer.get_normal_size_hint)"))
-        return self._intranode
+        return self._normal_ops
 
     def _low_latency(self) -> LowLatency:
         self._check_open()
@@ -245,8 +255,8 @@ class Buffer:
         return self._ll
 
     def _check_pending(self) -> None:
-        if self._intranode is not None:
-            self._intranode.check_pending(self._caller_capturing)
+        if self._normal_ops is not None:
+            self._normal_ops.check_pending(self._caller_capturing)
 
     def _caller_capturing(self) -> bool:
         """Whether a caller's stream (torch's current one, if torch is in use, or CuPy's) is capturing a graph."""
@@ -276,7 +286,7 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx: Any, num_experts: int, previous_event: Event | None = None,
                             async_finish: bool = False) -> DispatchLayout:
         """Counts per rank and per expert, and is_token_in_rank, for topk_idx [N, K] int64 (-1 = no expert)."""
-        if self._closed or self._intranode is None:
+        if self._closed or self._normal_ops is None:
             self._normal()  # raises what is wrong
         if type(num_experts) is not int:  # no 64.0 or True in a key: it would find the plan of 64 or 1
             num_experts = self._check_num_experts(num_experts)
@@ -300,7 +310,7 @@ class Buffer:
         made = layout.made
         if made is not None and made.num_tokens == num_tokens:
             return LayoutInputs(made.per_rank_ptr, made.per_expert_ptr, made.in_rank_ptr, made, made.invalid_ptr,
-                                (made.owner,)), made.num_experts
+                                (made.owner,), made.per_node_ptr), made.num_experts
         dev = self._device
         r_info = arrays.check(layout.num_tokens_per_rank, "layout.num_tokens_per_rank", dtype="int32",
                               shape=(self.num_ranks,), device=dev)
@@ -311,9 +321,15 @@ class Buffer:
         in_rank = arrays.kernel_arg(layout.is_token_in_rank, t_info, "layout.is_token_in_rank")
         owner = layout.is_token_in_rank if isinstance(in_rank, int) else in_rank  # an address, or a CuPy view
         keep = (layout.num_tokens_per_rank, layout.num_tokens_per_expert, layout.is_token_in_rank)
+        per_node: Any = 0
+        if self.group.num_nvl_ranks < self.num_ranks:  # the counts a node: notify's RDMA leg sends them
+            n_info = arrays.check(layout.num_tokens_per_rdma_rank, "layout.num_tokens_per_rdma_rank", dtype="int32",
+                                  shape=(self.num_ranks // self.group.num_nvl_ranks,), device=dev)
+            per_node = arrays.kernel_arg(layout.num_tokens_per_rdma_rank, n_info, "layout.num_tokens_per_rdma_rank")
+            keep += (layout.num_tokens_per_rdma_rank,)
         return LayoutInputs(arrays.kernel_arg(layout.num_tokens_per_rank, r_info, "layout.num_tokens_per_rank"),
                             arrays.kernel_arg(layout.num_tokens_per_expert, e_info, "layout.num_tokens_per_expert"),
-                            in_rank, owner, 0, keep), self._check_num_experts(e_info.shape[0])
+                            in_rank, owner, 0, keep, per_node), self._check_num_experts(e_info.shape[0])
 
     # ------------------------------------------------------------------------------------------------ dispatch
 
@@ -423,6 +439,8 @@ class Buffer:
         return config
 
     def _spec_of(self, config: Config) -> Any:
+        if isinstance(self._normal_ops, Internode):
+            return config.internode_spec(self.num_ranks, self.group.num_nvl_ranks)
         try:
             return config.spec(self.num_ranks)
         except ValueError as e:
@@ -432,6 +450,10 @@ class Buffer:
                         what: str) -> None:
         # Every rank computes the same need from the same (checked-in-notify) sizes, so all raise together when
         # the sizes agree; when they do not, notify reports the mismatch on every rank.
+        if isinstance(self._normal_ops, Internode):
+            check_internode_need(config, self.num_ranks, self.group.num_nvl_ranks, hidden, num_topk, num_experts,
+                                 self.num_experts, (self.num_nvl_bytes, self.num_rdma_bytes), what)
+            return
         need = config.nvl_bytes(self.num_ranks, hidden, num_topk, num_experts, fp8)
         if need > self.num_nvl_bytes:
             raise ArgumentError(with_rank(
@@ -468,7 +490,7 @@ class Buffer:
             layout_inputs, num_experts = self._layout_inputs(layout, num_tokens)
         self._check_nvl_need(config, hidden, num_topk, num_experts, fp8, "dispatch")
         kind = "torch" if x_info.framework == "torch" and previous_event is None else "cupy"
-        plan = self._intranode_plan().dispatch_plan(
+        plan = self._normal_plan().dispatch_plan(
             x_info.framework, kind, self._spec_of(config), config, num_tokens, hidden, num_topk, fp8,
             w_arg is not None, idx_arg is not None, num_experts, num_worst_tokens, expert_alignment,
             handle is not None)
@@ -476,9 +498,9 @@ class Buffer:
                                 0 if w_arg is None else w_arg)
         return self._remember(key, plan), inputs, None if handle is not None else layout_inputs
 
-    def _intranode_plan(self) -> Intranode:
-        assert self._intranode is not None
-        return self._intranode
+    def _normal_plan(self) -> Intranode:
+        assert self._normal_ops is not None
+        return self._normal_ops
 
     # ------------------------------------------------------------------------------------------------ combine
 
@@ -486,7 +508,7 @@ class Buffer:
                 config: Config | None = None, previous_event: Event | None = None,
                 async_finish: bool = False) -> CombineResult:
         """For each original token, the sum of the rows the ranks send back for it (+ bias): dispatch's adjoint."""
-        normal = self._intranode if not self._closed else None
+        normal = self._normal_ops if not self._closed else None
         if normal is None:
             normal = self._normal()  # raises what is wrong
         normal.check_pending(self._caller_capturing)
@@ -531,7 +553,7 @@ class Buffer:
         config = self._resolve_config(config, self._combine_config, handle.num_channels, "the dispatch")
         self._check_nvl_need(config, handle.hidden, handle.num_topk, 0, False, "combine")
         kind = "torch" if y_info.framework == "torch" and previous_event is None else "cupy"
-        plan = self._intranode_plan().combine_plan(y_info.framework, kind, self._spec_of(config), config, handle,
+        plan = self._normal_plan().combine_plan(y_info.framework, kind, self._spec_of(config), config, handle,
                                                     topk_weights is not None)
         return (self._remember(key, plan), arrays.kernel_arg(y, y_info, "y"), w_arg,
                 (bias_args[0], bias_args[1]))

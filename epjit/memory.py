@@ -156,7 +156,9 @@ class NvlBuffer:
         self.peer_ptrs: list[int] = []
         self._opened: list[int] = []
         try:
-            rt.memset(self.base, 0, NVL_HEADER_BYTES)
+            # All of it: the header's barrier signals, and the ring counters the internode kernels keep in the
+            # payload from the Buffer's creation on (they are never cleared by a kernel).
+            rt.memset(self.base, 0, self.total_bytes)
             rt.deviceSynchronize()
             handle = bytes(rt.ipcGetMemHandle(self.base))
             handles = group.allgather_bytes(handle)

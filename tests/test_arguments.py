@@ -95,7 +95,7 @@ def _hollow(num_ranks: int = 2) -> Buffer:
     memory fails otherwise (_Looked, or AttributeError)."""
     buf = object.__new__(Buffer)
     buf._closed, buf._plans, buf._device, buf.num_ranks = False, _Plans(), 0, num_ranks
-    buf._intranode = SimpleNamespace(check_pending=lambda capturing: None)
+    buf._normal_ops = SimpleNamespace(check_pending=lambda capturing: None)
     buf._ll = SimpleNamespace(raise_status=lambda: None)
     buf.num_max_dispatch_tokens_per_rank, buf.hidden, buf.num_experts = 8, 256, 64
     return buf

@@ -271,7 +271,7 @@ def made(monkeypatch):
         buffers.append(FakeEpjitBuffer(group, **kwargs))
         return buffers[-1]
 
-    group = SimpleNamespace(rank=1, size=2, device=0)
+    group = SimpleNamespace(rank=1, size=2, device=0, num_nvl_ranks=2)
     monkeypatch.setattr(buffer_module, "_new_epjit_buffer", new)
     original = buffer_module._make_group
     monkeypatch.setattr(buffer_module, "_make_group",
@@ -291,7 +291,7 @@ def test_construction_makes_a_normal_buffer_or_waits_for_the_low_latency_sizes(m
     pg = object()
     b = Buffer(pg, 1 << 20, 0)
     assert (b.group, b.rank, b.group_size, b.num_nvl_bytes, b.low_latency_mode) == (pg, 1, 2, 1 << 20, False)
-    assert len(made) == 1 and made[0].kwargs == {"num_nvl_bytes": 1 << 20}
+    assert len(made) == 1 and made[0].kwargs == {"num_nvl_bytes": 1 << 20, "num_rdma_bytes": 0}
     ll = Buffer(pg, 0, 4096, low_latency_mode=True, num_qps_per_rank=12, allow_nvlink_for_low_latency_mode=False,
                 allow_mnnvl=True, explicitly_destroy=True)
     assert len(made) == 1 and ll.num_rdma_bytes == 4096  # the low-latency Buffer comes with the first call
@@ -306,14 +306,16 @@ def test_construction_makes_a_normal_buffer_or_waits_for_the_low_latency_sizes(m
         Buffer(None)
 
 
-def test_a_group_of_several_nvlink_nodes_is_refused_by_epjits_buffer():
-    """The normal-mode Buffer is epjit's, made at construction, so it raises epjit's SetupError (here from the
-    real epjit.Buffer's size check, reached without any GPU work)."""
-    from epjit.buffer import Buffer as EpjitBuffer
+def test_a_normal_buffer_across_nvlink_nodes_gets_the_heap_and_keeps_low_latency_apart():
+    """Across nodes the epjit normal-mode Buffer needs the symmetric heap too: the deep_ep Buffer hands it
+    num_rdma_bytes (and makes its low-latency Buffer apart, which epjit's Buffer asks of a Buffer across nodes)."""
+    from epjit.config import check_normal_sizes
 
-    stand_in = SimpleNamespace(group=SimpleNamespace(size=16, num_nvl_ranks=8))
-    with pytest.raises(SetupError, match="normal mode across NVLink nodes is not available yet"):
-        EpjitBuffer._check_normal_sizes(stand_in, 1 << 30)
+    with pytest.raises(ArgumentError, match="serves normal mode or low-latency mode, not both yet"):
+        check_normal_sizes(16, 8, 1 << 30, 1 << 30, 256, True)
+    with pytest.raises(ArgumentError, match="num_rdma_bytes=0 is below"):
+        check_normal_sizes(16, 8, 1 << 30, 0, 256, False)
+    check_normal_sizes(16, 8, 1 << 30, 1 << 30, 256, False)
 
 
 # ---------------------------------------------------------------------------------------------------- normal mode

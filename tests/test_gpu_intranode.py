@@ -19,6 +19,12 @@ def test_intranode_against_reference(n, shared):
     )
     assert code == 0, output[-8000:]
     assert len(results) == n, output[-4000:]
+    assert_normal_results(results, n)
+    print("\n".join(str(r) for r in results))
+
+
+def assert_normal_results(results: list[dict], n: int) -> None:
+    """What every rank of tests/ranks/intranode.py reports (inside one node or across nodes alike)."""
     for r in results:
         assert r["loops_identical"], r
         assert r["retries"] >= 1, r  # rank 0 starts with no tokens: its first outputs are too small
@@ -38,7 +44,6 @@ def test_intranode_against_reference(n, shared):
         assert "num_worst_tokens=8 is too small for what arrives" in r["worst_too_small"], r
         assert "num_worst_tokens=8 is too small for what arrives" in r["run_ahead_refusal"], r
         assert "num_worst_tokens=8 is too small for what arrives" in r["close_refusal"], r
-    print("\n".join(str(r) for r in results))
 
 
 # Config's warp roles beside the defaults (the variants the 4-rank A/B times): the phased dispatch and other combine

@@ -162,8 +162,11 @@ class Buffer:
         self._destroyed = False
         self._normal: Any = None
         if self.num_nvl_bytes or not self.low_latency_mode:
-            # epjit.Buffer refuses a group of several NVLink nodes here, as it does for its own callers.
-            self._normal = _new_epjit_buffer(self._group, num_nvl_bytes=self.num_nvl_bytes)
+            # Across NVLink nodes epjit's normal mode needs the symmetric heap as well (DeepEP's num_rdma_bytes
+            # hint covers epjit's: docs/deep_ep.md); the low-latency Buffer, made at its first call, has its own.
+            several = self._group.num_nvl_ranks < self._group.size
+            self._normal = _new_epjit_buffer(self._group, num_nvl_bytes=self.num_nvl_bytes,
+                                             num_rdma_bytes=self.num_rdma_bytes if several else 0)
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 

@@ -10,11 +10,14 @@ from .._version import __version__
 from ..env import codegen_settings, settings
 from ..jit import JitConfig, KernelSpec
 from .foundation import BarrierSpec, PutSignalCheckSpec
+from .internode import InternodeNotifySpec, InternodeSpec, internode_spec
 from .intranode import IntranodeNotifySpec, IntranodeSpec, LayoutSpec, intranode_spec
 from .low_latency import LowLatencyPutsSpec, LowLatencySpec
 
 __all__ = [
     "BarrierSpec",
+    "InternodeNotifySpec",
+    "InternodeSpec",
     "IntranodeNotifySpec",
     "IntranodeSpec",
     "LayoutSpec",
@@ -23,6 +26,7 @@ __all__ = [
     "PutSignalCheckSpec",
     "check_specs",
     "cuda_sources",
+    "internode_spec",
     "intranode_spec",
     "jit_config",
 ]
@@ -58,4 +62,7 @@ def check_specs() -> list[KernelSpec]:
     # A tuning variant (Config's warp-role fields): the phased dispatch with 3 combine senders a peer.
     specs.append(intranode_spec(4, dispatch_phased=1, combine_send_warps=3))
     specs += [LowLatencySpec(), LowLatencyPutsSpec()]
+    # Across NVLink nodes: the topologies the GPU tier runs (nodes x ranks a node).
+    for nodes, nvl_ranks in ((2, 1), (4, 1), (2, 2), (2, 4), (4, 2)):
+        specs += [InternodeNotifySpec(nodes, nvl_ranks), internode_spec(nodes, nvl_ranks)]
     return specs

@@ -65,6 +65,13 @@ class MadeLayout:
         in_rank = invalid + _ALIGN
         return 0, expert, invalid, in_rank, in_rank + _up(num_tokens * num_ranks), per_node
 
+    @property
+    def per_node_ptr(self) -> int:
+        """Address of num_tokens_per_rdma_rank (0 inside one node)."""
+        if self.num_nodes == 1:
+            return 0
+        return self.per_rank_ptr + self.offsets(self.num_tokens, self.num_ranks, self.num_experts, self.num_nodes)[5]
+
     def view(self, part: int) -> Any:
         """Part 0 num_tokens_per_rank, 1 num_tokens_per_expert, 2 invalid_ids, 3 is_token_in_rank, 5
         num_tokens_per_rdma_rank (None inside one node)."""

@@ -1,9 +1,10 @@
 """One rank of the normal-mode GPU check: layout, dispatch and combine against epjit.reference on every case of
 the matrix, handle replay, worst-token padding, a cross-rank mismatch, and back-to-back runs that must repeat bit
 for bit. Every rank builds every rank's inputs from the same seed (the reference needs all of them) and checks
-its own outputs. Prints ``RESULT {json}``; exits non-zero on the first mismatch.
+its own outputs. Prints ``RESULT {json}``; exits non-zero on the first mismatch. With --num-nvl-ranks V below the
+ranks, the same cases run across V-rank NVLink nodes (the internode kernels; the reference's two-level combine).
 
-    python -m epjit.launch -n 4 tests/ranks/intranode.py [--quick] [--loops 200]
+    python -m epjit.launch -n 4 tests/ranks/intranode.py [--quick] [--loops 200] [--num-nvl-ranks 2]
 """
 
 from __future__ import annotations
@@ -27,6 +28,28 @@ from epjit.memory import MAX_NVL_RANKS, NVL_HEADER_BYTES
 
 BF16 = ml_dtypes.bfloat16
 os.environ.setdefault("EPJIT_POISON_OUTPUTS", "1")  # a row the kernel forgets must not read as plausible zeros
+NVL_RANKS: int | None = None  # ranks a node across nodes (set by main), None inside one node
+
+
+def normal_buffer(group, hidden: int = 7168, topk: int = 8, experts: int = 256):
+    """A normal-mode Buffer for the group's topology: across nodes with its symmetric heap too."""
+    R, V = group.size, group.num_nvl_ranks
+    return epjit.Buffer(group, num_nvl_bytes=epjit.Buffer.get_normal_size_hint(R, hidden, topk, experts,
+                                                                               num_nvl_ranks=V),
+                        num_rdma_bytes=epjit.Buffer.get_rdma_size_hint(R, hidden, topk, experts, num_nvl_ranks=V))
+
+
+def small_config(R: int, sms: int):
+    """Few channels and small chunks and rings, so that every ring wraps many times: inside one node 5 SMs; across
+    nodes 6 (three channels of two blocks), RDMA chunks of 3 in rings of 15 chunks, and NVLink rings just large
+    enough for combine's sub-rings."""
+    if NVL_RANKS is None:
+        return epjit.Config(sms, 3, 3 + COMBINE_READERS)
+    from epjit.kernels.internode import internode_spec
+
+    nodes = R // NVL_RANKS
+    nvl = max(40, nodes * (3 + internode_spec(nodes, NVL_RANKS).combine_group_warps))
+    return epjit.Config(sms + sms % 2, 3, nvl, 3, 45)
 
 
 def make_inputs(seed: int, counts: list[int], hidden: int, topk: int, num_experts: int, holes: float):
@@ -110,9 +133,12 @@ def run_case(
     same("num_tokens_per_rank", to_numpy(layout.num_tokens_per_rank), ref_layout.num_tokens_per_rank)
     same("num_tokens_per_expert", to_numpy(layout.num_tokens_per_expert), ref_layout.num_tokens_per_expert)
     same("is_token_in_rank", to_numpy(layout.is_token_in_rank), ref_layout.is_token_in_rank)
+    if NVL_RANKS is not None:
+        nodes = reference.get_dispatch_layout(idxs[rank], num_experts, R, NVL_RANKS).num_tokens_per_rdma_rank
+        same("num_tokens_per_rdma_rank", to_numpy(layout.num_tokens_per_rdma_rank), nodes)
 
     # sms > 0: a non-default channel count with small chunks and rings, so every ring wraps many times.
-    config = epjit.Config(sms, 3, 3 + COMBINE_READERS) if sms else None
+    config = small_config(R, sms) if sms else None
     d = buf.dispatch(
         x_arg,
         topk_idx=idx_t,
@@ -161,8 +187,9 @@ def run_case(
         ]
         bias_t = (to_torch(biases[rank][0]), to_torch(biases[rank][1]))
     c = buf.combine(to_torch(y_local), d.handle, topk_weights=d.topk_weights, bias=bias_t,
-                    config=epjit.Config(sms, 3, 3 + COMBINE_READERS) if sms else None)
-    c_ref = reference.combine(ys, [h.handle for h in ref], topk_weights=[h.topk_weights for h in ref], bias=biases)
+                    config=small_config(R, sms) if sms else None)
+    c_ref = reference.combine(ys, [h.handle for h in ref], topk_weights=[h.topk_weights for h in ref], bias=biases,
+                              num_nvl_ranks=NVL_RANKS)
     same("combined_x", to_numpy(c.x), c_ref[rank].x)
     same("combined_topk_weights", to_numpy(c.topk_weights), c_ref[rank].topk_weights)
     return {"recv": m}
@@ -211,7 +238,7 @@ def check_barriers(buf, group, where: str, result: dict) -> None:
     bad = unbalanced_barriers(buf, group)
     if bad and "unbalanced" not in result:
         result["unbalanced"] = f"after {where}: {bad[:6]}"
-        print(f"[rank {group.rank}] barrier signals unbalanced after {where} ({buf._intranode.estimate.retries} "
+        print(f"[rank {group.rank}] barrier signals unbalanced after {where} ({buf._normal_ops.estimate.retries} "
               f"retries so far): {bad[:12]}", file=sys.stderr, flush=True)
 
 
@@ -228,16 +255,19 @@ def main() -> int:
     parser.add_argument("--loops", type=int, default=200)
     parser.add_argument("--warp-roles", default="", help="Config's warp-role fields for every call, e.g. "
                                                          "dispatch_phased=1,combine_send_warps=3")
+    parser.add_argument("--num-nvl-ranks", type=int, default=None, help="ranks a node (below the ranks: internode)")
     args = parser.parse_args()
-    group = epjit.init()
+    group = epjit.init(num_nvl_ranks=args.num_nvl_ranks)
+    global NVL_RANKS
+    NVL_RANKS = group.num_nvl_ranks if group.num_nvl_ranks < group.size else None
     torch.cuda.set_device(group.device)
     R, rank = group.size, group.rank
-    buf = epjit.Buffer(group, num_nvl_bytes=epjit.Buffer.get_normal_size_hint(R, 7168, 8, 256))
+    buf = normal_buffer(group)
     if args.warp_roles:  # what a call without a config gets: these roles, with the chunks a call of them gets
         roles = bench.parse_roles(args.warp_roles)
         buf._dispatch_config = bench.case_config("dispatch", R, 24, 0, 256, roles)
         buf._combine_config = bench.case_config("combine", R, 24, 0, 256, roles)
-    result: dict = {"rank": rank, "size": R, "cases": 0, "kernels": buf._dispatch_config.spec(R).family}
+    result: dict = {"rank": rank, "size": R, "cases": 0, "kernels": buf._spec_of(buf._dispatch_config).family}
     start = time.perf_counter()
     try:
         cases = []
@@ -294,7 +324,7 @@ def main() -> int:
         # the caller's stream (with poisoning it runs where the poison is written).
         os.environ["EPJIT_POISON_OUTPUTS"] = "0"  # read when a Buffer is made
         try:
-            with epjit.Buffer(group, num_nvl_bytes=epjit.Buffer.get_normal_size_hint(R, 7168, 8, 256)) as plain:
+            with normal_buffer(group) as plain:
                 for i, case in enumerate(cases[:2] + cases[-2:]):
                     run_case(plain, rank, R, seed=2000 + i, **case)
                     result["cases"] += 1
@@ -375,7 +405,7 @@ def main() -> int:
         run_ahead_counts(buf, rank, R)
         check_barriers(buf, group, "the run-ahead counts", result)
         # A refusal nothing raised before the Buffer is closed: close raises it, after releasing everything.
-        spare = epjit.Buffer(group, num_nvl_bytes=epjit.Buffer.get_normal_size_hint(R, 2048, 4, 64))
+        spare = normal_buffer(group, 2048, 4, 64)
         spare.dispatch(x, topk_idx=idx, num_experts=64, num_worst_tokens=8)
         try:
             spare.close()
@@ -400,7 +430,7 @@ def main() -> int:
                     check_barriers(buf, group, f"loop {it}", result)
             runs.append(h.hexdigest()[:16])
         result["loops_identical"] = runs[0] == runs[1]
-        result["retries"] = buf._intranode.estimate.retries
+        result["retries"] = buf._normal_ops.estimate.retries
         result["loops"] = args.loops
     finally:
         buf.close()

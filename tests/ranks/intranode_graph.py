@@ -2,7 +2,7 @@
 with new inputs copied into the captured tensors, checked against epjit.reference each replay; and a captured
 dispatch whose num_worst_tokens is too small, whose replay must be reported by the next eager look.
 
-    python -m epjit.launch -n 2 tests/ranks/intranode_graph.py
+    python -m epjit.launch -n 2 tests/ranks/intranode_graph.py [num_nvl_ranks]
 """
 
 from __future__ import annotations
@@ -12,19 +12,20 @@ import sys
 
 import numpy as np
 import torch
-from intranode import make_inputs, same, to_numpy, to_torch  # noqa: E402  (sibling rank script)
+from intranode import make_inputs, normal_buffer, same, to_numpy, to_torch  # noqa: E402  (sibling rank script)
 
 import epjit
 from epjit import reference
 
 
 def main() -> int:
-    group = epjit.init()
+    group = epjit.init(num_nvl_ranks=int(sys.argv[1]) if len(sys.argv) > 1 else None)
     torch.cuda.set_device(group.device)
     R, rank = group.size, group.rank
+    nodes = group.num_nvl_ranks if group.num_nvl_ranks < R else None
     tokens, hidden, topk, experts = 256, 4096, 8, 64
     worst = tokens * R
-    buf = epjit.Buffer(group, num_nvl_bytes=epjit.Buffer.get_normal_size_hint(R, hidden, topk, experts))
+    buf = normal_buffer(group, hidden, topk, experts)
     xs, idxs, ws = make_inputs(99, [tokens] * R, hidden, topk, experts, 0.2)
     x, idx, w = to_torch(xs[rank]), to_torch(idxs[rank]), to_torch(ws[rank])
     stream = torch.cuda.Stream()
@@ -85,7 +86,7 @@ def main() -> int:
         same("graph recv_topk_idx", to_numpy(d.topk_idx)[:m], ref[rank].topk_idx)
         same("graph padding", to_numpy(d.topk_idx)[m:], np.full((worst - m, topk), -1, np.int64))
         c_ref = reference.combine([r.x for r in ref], [r.handle for r in ref],
-                                  topk_weights=[r.topk_weights for r in ref])
+                                  topk_weights=[r.topk_weights for r in ref], num_nvl_ranks=nodes)
         same("graph combined_x", to_numpy(c.x), c_ref[rank].x)
         result["replays"] += 1
     buf.close()

@@ -1,0 +1,254 @@
+"""Normal mode across NVLink nodes (cuda_src/internode.cu): notify over RDMA then NVLink, dispatch through RDMA rings
+to a forwarder on each destination node and NVLink rings to the final rank, combine backwards with a partial sum at
+each forwarder.
+
+The flow of a call is intranode's (epjit.ops.intranode.Intranode, whose steps this family redoes where they
+differ): outputs allocated before the counts, notify's host record, a retry when an estimate was short, worst-token
+mode without host synchronisation. What differs: a capacity is two numbers (rows received, tokens this rank
+forwards), the record also lists the tokens every rank forwards, a handle keeps more arrays, and a replay exchanges
+its dispatch's counts again (kept in the handle) instead of skipping the exchange.
+
+A notify host record (mapped host memory, int32; docs/layouts.md):
+
+    [0] rows this rank receives (-1 until notify writes it, last)   [1] status bits (intranode's)
+    [2 .. 2 + 8R)   every rank's meta: hidden, num_experts, num_topk, flags, recv_capacity, fwd_capacity,
+                    num_tokens, config tag
+    [.. + R)        rows each rank receives      [.. + R) tokens each rank forwards
+    [.. + E/R)      tokens received per local expert (rounded up to expert_alignment)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import Config
+from ..kernels.internode import (
+    NUM_THREADS,
+    InternodeNotifySpec,
+    InternodeSpec,
+)
+from ..memory import PeerMemory
+from .intranode import (
+    FLAG_FP8,
+    FLAG_TOPK,
+    FLAG_WEIGHTS,
+    FLAG_WORST_TOKENS,
+    META_INTS,
+    CombinePlan,
+    DispatchHandle,
+    DispatchPlan,
+    Intranode,
+    Ints,
+    LayoutInputs,
+    RowEstimate,
+    expert_counts_at,
+)
+from .profile import Profile
+from .streams import Outputs, Streams
+
+NOTIFY_THREADS = 256
+
+# The handle's int arrays, in this order (one allocation; docs/layouts.md):
+HANDLE_INTS = ("channel_prefix_matrix",  # [R, C] my tokens of channels 0..c for each rank
+               "rdma_channel_prefix",  # [N, C] my tokens of channels 0..c for each node
+               "recv_rank_prefix",  # [R + 1] rows received before each source's, then all of them
+               "fwd_node_prefix",  # [N] tokens I forward from the nodes before each
+               "recv_channel_offset",  # [R, C] first received row of (source, channel)
+               "recv_channel_count",  # [R, C] rows received of (source, channel)
+               "send_rdma_head",  # [N_tokens, N] the token's index in its stream to each node (or -next-1)
+               "recv_rdma_channel",  # [N, C, 2] forwarded tokens of (node, channel): first index, count
+               "send_nvl_head",  # [forwarded, V] where each forwarded token went in each node peer's ring (or -next-1)
+               "recv_src_idx",  # [rows] source token of each received row
+               "status",  # [1] notify's status: the dispatch and every combine of the handle do nothing unless 0
+               "saved_counts")  # [R + N + E] the dispatch's counts: a replay exchanges them again
+_AT = {name: i for i, name in enumerate(HANDLE_INTS)}
+
+
+def forwarded_at(num_ranks: int) -> int:
+    """Where the host record's tokens forwarded by each rank start."""
+    return 2 + (META_INTS + 1) * num_ranks
+
+
+def config_tag(config: Config) -> int:
+    """The numbers of a Config the internode kernels' layouts depend on, as one int every rank compares in notify."""
+    return (config.num_sms * 1_000_003 + config.nvl_chunk_recv * 10_007 + config.rdma_chunk_send * 101
+            + config.rdma_chunk_recv) % (1 << 30)
+
+
+@dataclass(eq=False, slots=True)
+class InternodeHandle(DispatchHandle):
+    """A dispatch across nodes, for combine and replays: intranode's fields, its arrays by HANDLE_INTS, and the
+    tokens this rank forwarded (-1 when unknown to the host: worst-token mode)."""
+
+    num_forwarded: int = -1
+
+    status_ints = property(lambda self: self.ints[_AT["status"]])
+    recv_src_ints = property(lambda self: self.ints[_AT["recv_src_idx"]])
+    channel_prefix_ints = property(lambda self: self.ints[_AT["channel_prefix_matrix"]])
+    recv_channel_offset_ints = property(lambda self: self.ints[_AT["recv_channel_offset"]])
+    send_head_ints = property(lambda self: self.ints[_AT["send_rdma_head"]])
+    channel_prefix_matrix = property(lambda self: self.ints[_AT["channel_prefix_matrix"]].view())
+    recv_channel_offset = property(lambda self: self.ints[_AT["recv_channel_offset"]].view())
+    send_head = property(lambda self: self.ints[_AT["send_rdma_head"]].view())
+
+    @property
+    def rank_prefix_ints(self) -> Any:
+        raise AttributeError("an internode handle has no rank_prefix_matrix: recv_rank_prefix gives the rows "
+                             "received before each source's")
+
+    @property
+    def rank_prefix_matrix(self) -> Any:
+        return self.rank_prefix_ints
+
+    @property
+    def recv_rank_prefix(self) -> Any:
+        return self.ints[_AT["recv_rank_prefix"]].view()
+
+    @property
+    def recv_src_idx(self) -> Any:
+        return self.ints[_AT["recv_src_idx"]].view(self.num_rows)
+
+
+class Internode(Intranode):
+    """Normal mode of a Buffer whose group spans several NVLink nodes: kernels, claims, host records, estimates."""
+
+    FORWARDED = True
+
+    def __init__(self, mem: PeerMemory, streams: Streams, outputs: Outputs, profile: Profile, device: int,
+                 num_experts: int, expert_cap: int) -> None:
+        group = mem.group
+        self.num_nvl_ranks = group.num_nvl_ranks
+        self.num_nodes = group.size // group.num_nvl_ranks
+        self.expert_cap = expert_cap
+        super().__init__(mem, streams, outputs, profile, device, num_experts)
+        self.forward_estimate = RowEstimate(self.num_nodes)  # tokens this rank forwards, by the same rule as rows
+
+    def _notify_spec(self) -> InternodeNotifySpec:
+        return InternodeNotifySpec(self.num_nodes, self.num_nvl_ranks)
+
+    # ---------------------------------------------------------------------------------------------------- plans
+
+    def dispatch_plan(self, framework: str, kind: str, spec: InternodeSpec, config: Config, num_tokens: int,
+                      hidden: int, num_topk: int, fp8: bool, with_weights: bool, with_idx: bool, num_experts: int,
+                      num_worst_tokens: int, expert_alignment: int, cached: bool) -> DispatchPlan:
+        """What a dispatch of this shape needs (its arguments and config already checked by the Buffer)."""
+        num_scales = hidden // 128 if fp8 else 0
+        flags = (FLAG_FP8 if fp8 else 0) | (FLAG_WEIGHTS if with_weights else 0) | (FLAG_TOPK if with_idx else 0) | \
+            (FLAG_WORST_TOKENS if num_worst_tokens > 0 else 0)
+        module = self.module(spec)
+        channels, table = config.num_sms // 2, self.mem.table_ptr
+        notify = self.notify_module.spec.args(
+            "internode_notify", peers=table, num_tokens=num_tokens, num_channels=channels, hidden=hidden,
+            num_topk=num_topk, num_experts=num_experts, expert_cap=self.expert_cap,
+            expert_alignment=expert_alignment, config_tag=config_tag(config), layout_fits=1)
+        dispatch = module.spec.args(
+            "internode_dispatch", peers=table, claims=self.claims[0], num_tokens=num_tokens, hidden=hidden,
+            num_scales=num_scales, num_topk=num_topk, num_experts=num_experts, expert_cap=self.expert_cap,
+            num_channels=channels, rdma_slots=config.rdma_chunk_recv, rdma_chunk=config.rdma_chunk_send,
+            nvl_slots=config.nvl_chunk_recv, num_worst_tokens=num_worst_tokens)
+        out = self.outputs
+        new_outputs = (out.row_allocator(kind, hidden, out.dtype(kind, "float8_e4m3fn" if fp8 else "bfloat16")),
+                       out.row_allocator(kind, num_scales, out.dtype(kind, "float32")) if fp8 else None,
+                       out.row_allocator(kind, num_topk, out.dtype(kind, "int64")) if with_idx else None,
+                       out.row_allocator(kind, num_topk, out.dtype(kind, "float32")) if with_weights else None)
+        # num_channels: the Config's SMs, as intranode's (combine's configs are checked against it); the kernels
+        # run num_sms / 2 channels of two blocks each.
+        return DispatchPlan(framework, kind, num_tokens, hidden, num_topk, num_scales, num_experts, fp8, with_idx,
+                            with_weights, num_worst_tokens, config.num_sms, flags, new_outputs,
+                            (hidden, num_scales, num_topk, num_topk),
+                            expert_counts_at(self.num_ranks, True) + (0 if cached else num_experts // self.num_ranks),
+                            notify, dispatch, module)
+
+    def combine_plan(self, framework: str, kind: str, spec: InternodeSpec, config: Config, handle: DispatchHandle,
+                     with_weights: bool) -> CombinePlan:
+        module = self.module(spec)
+        args = module.spec.args(
+            "internode_combine", peers=self.mem.table_ptr, claims=self.claims[1], num_tokens=handle.num_tokens,
+            hidden=handle.hidden, num_topk=handle.num_topk, expert_cap=self.expert_cap,
+            num_channels=handle.num_channels // 2, rdma_slots=config.rdma_chunk_recv,
+            rdma_chunk=config.rdma_chunk_send, nvl_slots=config.nvl_chunk_recv, nvl_chunk=config.nvl_chunk_send)
+        return self._combine_plan(framework, kind, handle, with_weights, args, module)
+
+    # ---------------------------------------------------------------------------------------------------- dispatch
+
+    def _capacity(self, plan: DispatchPlan, handle: DispatchHandle | None) -> tuple[tuple[int, ...], bool]:
+        """Rows of output and forwarded tokens to allocate before the counts, and whether they are estimates. Under
+        num_worst_tokens each forwarded token is a row of some rank of my node, so V x num_worst_tokens holds them
+        wherever the rows fit."""
+        if plan.num_worst_tokens > 0:
+            return (plan.num_worst_tokens, self.num_nvl_ranks * plan.num_worst_tokens), False
+        if isinstance(handle, InternodeHandle) and handle.num_recv_tokens >= 0:
+            return (handle.num_recv_tokens, handle.num_forwarded), False
+        return (self.estimate.rows(plan.num_tokens), self.forward_estimate.rows(plan.num_tokens)), True
+
+    def _counts(self, layout: LayoutInputs | None, handle: DispatchHandle | None) -> tuple[dict[str, Any], Any, Any]:
+        """Notify's count arguments: the layout's, or (a replay) the handle's saved copy of its dispatch's."""
+        if handle is None:
+            assert layout is not None
+            return ({"num_tokens_per_rank": layout.per_rank, "num_tokens_per_rdma_rank": layout.per_node,
+                     "num_tokens_per_expert": layout.per_expert, "invalid_ids": layout.invalid},
+                    layout.in_rank, layout.in_rank_owner)
+        saved = handle.ints[_AT["saved_counts"]].ptr
+        return ({"num_tokens_per_rank": saved, "num_tokens_per_rdma_rank": saved + 4 * self.num_ranks,
+                 "num_tokens_per_expert": saved + 4 * (self.num_ranks + self.num_nodes), "invalid_ids": 0},
+                handle.in_rank_ptr, handle.in_rank_owner)
+
+    def _exact(self, record: list[int]) -> tuple[int, ...]:
+        return record[0], record[forwarded_at(self.num_ranks) + self.mem.group.rank]
+
+    def _saw(self, plan: DispatchPlan, record: list[int]) -> None:
+        self.estimate.saw(plan.num_tokens, record[0])
+        self.forward_estimate.saw(plan.num_tokens, record[forwarded_at(self.num_ranks) + self.mem.group.rank])
+
+    def _new_handle(self, ints: tuple[Ints, ...], in_rank: int, in_rank_owner: Any, record: list[int],
+                    num_rows: int, plan: DispatchPlan, buffer_id: int) -> DispatchHandle:
+        known = bool(record)
+        return InternodeHandle(ints, in_rank, in_rank_owner, record[0] if known else -1, num_rows, plan, buffer_id,
+                               record[forwarded_at(self.num_ranks) + self.mem.group.rank] if known else -1)
+
+    def _ints(self, plan: DispatchPlan, capacity: tuple[int, ...], handle: DispatchHandle | None) -> tuple[Ints, ...]:
+        """The handle's arrays (HANDLE_INTS) of one dispatch in one allocation; a replay keeps its handle's counts."""
+        r, n, v, c = self.num_ranks, self.num_nodes, self.num_nvl_ranks, plan.num_channels // 2
+        rows, forwarded = capacity
+        shapes = [(r, c), (n, c), (r + 1,), (n,), (r, c), (r, c), (plan.num_tokens, n), (n, c, 2),
+                  (max(forwarded, 1), v), (rows,), (1,)]
+        if handle is None:
+            return self._carve([*shapes, (r + n + plan.num_experts,)])
+        return (*self._carve(shapes), handle.ints[_AT["saved_counts"]])
+
+    def _launch_dispatch(self, plan: DispatchPlan, grid: int, capacity: tuple[int, ...], ints: tuple[Ints, ...],
+                         outs: tuple[Any, ...]) -> None:
+        comm, address, kind = self.streams.comm_ptr, self.outputs.address, plan.kind
+        p = {name: part.ptr for name, part in zip(HANDLE_INTS, ints, strict=True)}
+        notify = plan.notify_args.set(
+            recv_capacity=capacity[0], fwd_capacity=capacity[1], channel_prefix_matrix=p["channel_prefix_matrix"],
+            rdma_channel_prefix=p["rdma_channel_prefix"], recv_rank_prefix=p["recv_rank_prefix"],
+            fwd_node_prefix=p["fwd_node_prefix"], call_status=p["status"],
+            saved_counts=p["saved_counts"] if plan.notify_args["num_tokens_per_rank"] != p["saved_counts"] else 0)
+        self.notify_module.launch(notify, 1 + self.num_ranks + self.num_nodes, NOTIFY_THREADS, stream=comm)
+        dispatch = plan.dispatch_args.set(
+            channel_prefix_matrix=p["channel_prefix_matrix"], rdma_channel_prefix=p["rdma_channel_prefix"],
+            recv_rank_prefix=p["recv_rank_prefix"], fwd_node_prefix=p["fwd_node_prefix"], call_status=p["status"],
+            recv_x=address(kind, outs[0]), recv_x_scales=address(kind, outs[1]), recv_src_idx=p["recv_src_idx"],
+            recv_topk_idx=address(kind, outs[2]), recv_topk_weights=address(kind, outs[3]),
+            recv_channel_offset=p["recv_channel_offset"], recv_channel_count=p["recv_channel_count"],
+            send_rdma_head=p["send_rdma_head"], recv_rdma_channel=p["recv_rdma_channel"],
+            send_nvl_head=p["send_nvl_head"])
+        plan.module.launch(dispatch, grid, NUM_THREADS, stream=comm)
+
+    def _after_counts(self, plan: DispatchPlan, record: list[int], handle: DispatchHandle | None,
+                      num_recv: int) -> list[int]:
+        if handle is not None:
+            return super()._after_counts(plan, record, handle, num_recv)
+        return record[expert_counts_at(self.num_ranks, True):]
+
+    # ---------------------------------------------------------------------------------------------------- combine
+
+    @staticmethod
+    def _handle_args(handle: DispatchHandle) -> dict[str, int]:
+        p = {name: part.ptr for name, part in zip(HANDLE_INTS, handle.ints, strict=True)}
+        return {"rdma_channel_prefix": p["rdma_channel_prefix"], "recv_channel_offset": p["recv_channel_offset"],
+                "recv_channel_count": p["recv_channel_count"], "send_rdma_head": p["send_rdma_head"],
+                "recv_rdma_channel": p["recv_rdma_channel"], "send_nvl_head": p["send_nvl_head"],
+                "dispatch_status": p["status"]}
