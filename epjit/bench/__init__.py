@@ -10,6 +10,12 @@ Bandwidth columns:
   out GB/s    bytes that leave this GPU (rows to other ranks) / time: what NVLink carries
   DeepEP GB/s received rows (self included) x row bytes / time: DeepEP's accounting, to compare with theirs
   % NVLink    out GB/s against the measured plain-store ceiling (PLAIN_STORE_CEILING_GBS; docs/performance.md)
+Across NVLink nodes (--num-nvl-ranks V below the ranks), also:
+  V           ranks of one NVLink node
+  RDMA pairs  (token, destination node other than the sender's) pairs that crossed the RDMA leg, all ranks
+  RDMA MB     their bytes on the wire (rdma_message_bytes each), all ranks
+  RDMA GB/s   RDMA bytes leaving a rank / its time (slowest rank)
+  % put       RDMA GB/s against the best NVSHMEM put ceiling measured in the same run (--put-ceiling)
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..config import Config, get_combine_config, get_dispatch_config
-from ..env import settings
+from ..env import WORLD_SIZE, settings
 from ..kernels.low_latency import deepep_low_latency_size_hint
 
 # 16-byte stores from all SMs, all ranks to all peers at once, 4 x H200 (docs/performance.md: the ceilings)
@@ -48,6 +54,106 @@ class Row:
     nccl_out_gbs: float | None
     ratio: float | None  # NCCL time / epjit time
     pct_nvlink: float
+    # Rows of runs before internode lack these (None).
+    num_nvl_ranks: int | None = None  # ranks of one NVLink node in this run
+    rdma_pairs: int | None = None  # (token, other node) pairs that crossed the RDMA leg, all ranks
+    rdma_bytes: int | None = None  # their bytes on the wire, all ranks (put ceiling: bytes put by all ranks)
+    rdma_gbs: float | None = None  # RDMA bytes leaving a rank / its time, slowest rank
+    pct_put: float | None = None  # rdma_gbs against the best put ceiling of the same run
+
+
+def rdma_message_bytes(mode: str, hidden: int, topk: int) -> int:
+    """Bytes of one token's message on the internode RDMA leg, for one (token, destination node) pair.
+
+    dispatch: the bf16 row (``2 * hidden``), its top-k ids and weights (``8 * topk``: an int32 and a float32 each)
+    and a 16-byte header; dispatch-fp8: the same with the FP8 row and its scales (``hidden + hidden / 128 * 4``)
+    in place of the bf16 row; combine: the node's bf16 partial sum (``2 * hidden``) and its summed weights
+    (``4 * topk``). Slots padding aside, what the rail puts carry.
+    """
+    if mode == "combine":
+        return 2 * hidden + 4 * topk
+    if mode not in ("dispatch", "dispatch-fp8"):
+        raise ValueError(f"no RDMA message for mode {mode!r}")
+    row = hidden + hidden // 128 * 4 if mode == "dispatch-fp8" else 2 * hidden
+    return row + 8 * topk + 16
+
+
+def rdma_leg_bytes(mode: str, hidden: int, topk: int, pairs: int) -> int:
+    """Bytes that cross the RDMA leg for ``pairs`` (token, destination node other than the sender's) pairs: a token
+    crosses to each other node once, whatever number of that node's ranks hold its experts."""
+    return pairs * rdma_message_bytes(mode, hidden, topk)
+
+
+def tokens_per_node(topk_idx: Any, num_experts: int, num_ranks: int, num_nvl_ranks: int) -> list[int]:
+    """Tokens of ``topk_idx`` ([tokens, topk] global expert ids, -1 for none) bound for each NVLink node: a token
+    counts once a node, however many of its experts live there (``layout.num_tokens_per_rdma_rank``). Expert
+    ``e`` lives on rank ``e // (num_experts / num_ranks)``, which is on node ``rank // num_nvl_ranks``."""
+    import numpy as np
+
+    idx = np.asarray(topk_idx)
+    num_nodes = num_ranks // num_nvl_ranks
+    node = np.where(idx >= 0, idx // (num_experts // num_ranks) // num_nvl_ranks, -1)
+    hit = np.zeros((idx.shape[0], num_nodes), dtype=bool)
+    tokens, slots = np.nonzero(node >= 0)
+    hit[tokens, node[tokens, slots]] = True
+    return [int(n) for n in hit.sum(axis=0)]
+
+
+def rdma_pairs_out(mode: str, node_counts: list[list[int]], rank: int, num_nvl_ranks: int) -> int:
+    """(token, other node) pairs whose messages leave ``rank`` on the RDMA leg, from every rank's
+    ``tokens_per_node`` (``node_counts[r][m]``: tokens of rank r bound for node m). Dispatch: this rank's tokens
+    bound for other nodes, each put once to its rail peer there. Combine, the way back: this rank forwarded the
+    tokens its rail peers of the other nodes sent to its node, and puts each one's partial sum home."""
+    node, local = divmod(rank, num_nvl_ranks)
+    if mode == "combine":
+        return sum(counts[node] for r, counts in enumerate(node_counts)
+                   if r % num_nvl_ranks == local and r // num_nvl_ranks != node)
+    return sum(node_counts[rank]) - node_counts[rank][node]
+
+
+def rail_peers(rank: int, num_ranks: int, num_nvl_ranks: int) -> tuple[int, int]:
+    """(the rank this one puts to, the rank that puts to it) in the put ceiling: the ranks with its local index on
+    the next and on the previous NVLink node (its rail, which carries the RDMA leg)."""
+    num_nodes = num_ranks // num_nvl_ranks
+    node, local = divmod(rank, num_nvl_ranks)
+    return (node + 1) % num_nodes * num_nvl_ranks + local, (node - 1) % num_nodes * num_nvl_ranks + local
+
+
+def put_mode_name(chunk_bytes: int, warps: int) -> str:
+    """The mode of a put-ceiling row: ``ceil-put-64k-w24`` (chunks of 64 KiB, 24 warps a block)."""
+    if chunk_bytes % (1 << 20) == 0:
+        size = f"{chunk_bytes >> 20}m"
+    elif chunk_bytes % 1024 == 0:
+        size = f"{chunk_bytes >> 10}k"
+    else:
+        size = f"{chunk_bytes}b"
+    return f"ceil-put-{size}-w{warps}"
+
+
+def topology_problem(num_ranks: int | None, num_nvl_ranks: int | None, modes: list[str], warp_roles: str = "",
+                     sms: list[int] | None = None) -> str | None:
+    """Why these options cannot run on ``num_ranks`` ranks (None: not known yet, only what needs no rank count is
+    checked), or None. Every rank finds the same answer."""
+    v = num_nvl_ranks
+    if v is not None and not 1 <= v <= 8:
+        return f"--num-nvl-ranks {v} must be in [1, 8] (the ranks of one NVLink node)"
+    if "put-ceiling" in modes and (v is None or v == num_ranks):
+        return ("--put-ceiling times NVSHMEM puts between ranks of different NVLink nodes: it needs several, "
+                "--num-nvl-ranks V with V below the ranks (e.g. 2 on 4 GPUs: two virtual nodes of 2)")
+    if num_ranks is None or v is None:
+        return None
+    if num_ranks % v:
+        return f"--num-nvl-ranks {v} does not divide the {num_ranks} ranks into NVLink nodes"
+    if v == num_ranks:
+        return None
+    if "ceiling" in modes:
+        return ("the copy ceilings are of one NVLink node: run --modes ceiling without --num-nvl-ranks (the "
+                "internode leg's ceiling is --put-ceiling)")
+    if warp_roles.strip():
+        return "--warp-roles are the intranode kernels' fields: not with --num-nvl-ranks below the ranks"
+    if any(s % 2 for s in sms or []):
+        return f"--sms {sms}: internode runs two blocks a channel, so every SM count must be even"
+    return None
 
 
 def current_cupy_stream() -> Any:
@@ -137,16 +243,16 @@ def _routing(num_tokens: int, topk: int, num_experts: int, seed: int) -> tuple[A
     return idx, w
 
 
-def init_with_nccl() -> Any:
-    """epjit's group, this rank's GPU made torch's current device, and torch.distributed's NCCL group over the same
-    ranks: the peer every case is timed beside (the tuning scripts start the same way). The caller ends it with
-    torch.distributed.destroy_process_group()."""
+def init_with_nccl(num_nvl_ranks: int | None = None) -> Any:
+    """epjit's group (``num_nvl_ranks``: ranks of one NVLink node, None: a host's), this rank's GPU made torch's
+    current device, and torch.distributed's NCCL group over the same ranks: the peer every case is timed beside
+    (the tuning scripts start the same way). The caller ends it with torch.distributed.destroy_process_group()."""
     import torch
     import torch.distributed as dist
 
     import epjit
 
-    group = epjit.init()
+    group = epjit.init(num_nvl_ranks=num_nvl_ranks)
     torch.cuda.set_device(group.device)
     port = int(group.bcast_bytes(str(_free_port()).encode() if group.rank == 0 else None).decode())
     dist.init_process_group("nccl", init_method=f"tcp://{group.hosts[0]}:{port}", rank=group.rank,
@@ -157,19 +263,87 @@ def init_with_nccl() -> Any:
 def run(args: argparse.Namespace) -> list[Row]:
     import torch.distributed as dist
 
-    group = init_with_nccl()
+    group = init_with_nccl(args.num_nvl_ranks)
     rows: list[Row] = []
-    normal_modes = [m for m in args.modes if not m.startswith("ll-") and m != "ceiling"]
+    normal_modes = [m for m in args.modes if m in ("dispatch", "dispatch-fp8", "combine")]
     ll_modes = [m for m in args.modes if m.startswith("ll-")]
     try:
+        problem = topology_problem(group.size, args.num_nvl_ranks, args.modes, args.warp_roles, args.sms)
+        if problem:  # the same on every rank: each leaves with it
+            raise SystemExit(f"python -m epjit.bench: error: {problem}")
+        if "put-ceiling" in args.modes:
+            rows += _bench_put_ceiling(group, args)
         if "ceiling" in args.modes:
             rows += _bench_ceiling(group, args)
         if ll_modes:
             rows += _bench_low_latency(group, dist, args, ll_modes)
         if normal_modes:
-            rows += _bench_normal(group, dist, args, normal_modes)
+            put_gbs = max((row.rdma_gbs or 0.0 for row in rows if row.mode.startswith("ceil-put")), default=0.0)
+            rows += _bench_normal(group, dist, args, normal_modes, put_gbs or None)
     finally:
         dist.destroy_process_group()
+    for row in rows:
+        row.num_nvl_ranks = group.num_nvl_ranks
+    return rows
+
+
+_PUT_CEILING_BYTES = 64 << 20  # a rank puts this much a launch: ~1.3 ms at 400 Gb/s, far above launch and skew
+
+
+def _bench_put_ceiling(group: Any, args: argparse.Namespace) -> list[Row]:
+    """What NVSHMEM warp puts with signals reach between ranks of different NVLink nodes, by blocks, warps a block
+    and chunk size: every rank puts to its rail peer on the next node while the one on the previous node puts to
+    it (cuda_src/bench/put_ceiling.cu), both directions at once as on the RDMA leg. A row's GB/s: bytes a rank
+    puts / the slowest rank's median time. On virtual nodes of one host NVSHMEM's peer-to-peer transport (NVLink)
+    carries the puts, so the figure is that transport's, not a NIC's."""
+    import torch
+
+    from ..memory import PeerMemory
+    from ..ops.loader import load
+    from .kernels import PutCeilingSpec, put_ceiling_heap_bytes
+
+    r, v = group.size, group.num_nvl_ranks
+    if v >= r:
+        raise SystemExit(f"python -m epjit.bench: error: the put ceiling needs several NVLink nodes ({r} ranks in "
+                         f"nodes of {v}): pass --num-nvl-ranks V below the ranks")
+    n = _PUT_CEILING_BYTES
+    dst, src = rail_peers(group.rank, r, v)
+    mem = PeerMemory.create(group, 0, put_ceiling_heap_bytes(n))
+    module = load(PutCeilingSpec(), group.device)
+    stream = torch.cuda.current_stream().cuda_stream
+    num_sms = torch.cuda.get_device_properties(group.device).multi_processor_count
+    put = {"expected": 0}  # chunks the rail peer has put since the heap was made: the signal only grows
+    rows: list[Row] = []
+    if group.rank == 0:
+        print(f"put ceiling: {r // v} nodes of {v} ranks, {n >> 20} MiB a rank and launch, rank 0 puts to rank "
+              f"{dst} and gets from rank {src}", flush=True)
+    try:
+        for warps in args.put_warps:
+            for chunk_kib in args.put_chunks:
+                chunk = chunk_kib << 10
+                for blocks in sorted({min(sms, num_sms) for sms in args.put_sms}):
+                    launch_args = module.spec.args("put_ceiling", peers=mem.table_ptr, dst_pe=dst, src_pe=src,
+                                                   n_bytes=n, chunk_bytes=chunk, expected=0)
+
+                    def put_all(launch_args: Any = launch_args, blocks: int = blocks, warps: int = warps,
+                                num_chunks: int = -(-n // chunk)) -> None:
+                        put["expected"] += num_chunks
+                        launch_args.set(expected=put["expected"])
+                        module.launch(launch_args, blocks, 32 * warps, stream=stream)
+
+                    try:
+                        t = max(group.allgather_object(_median_us(put_all, group, args.repeat)))
+                    except RuntimeError as e:  # a wait that timed out trapped: name the rail peer
+                        mem.raise_for(e)
+                        raise
+                    gbs = round(n / (t * 1e-6) / 1e9, 1)
+                    rows.append(Row(put_mode_name(chunk, warps), 0, 0, 0, 0, blocks, r, round(t, 1), None, gbs, gbs,
+                                    None, None, round(100 * gbs / PLAIN_STORE_CEILING_GBS, 1), num_nvl_ranks=v,
+                                    rdma_bytes=n * r, rdma_gbs=gbs))
+                    if group.rank == 0:
+                        _print_row(rows[-1])
+    finally:
+        mem.close()
     return rows
 
 
@@ -251,13 +425,24 @@ def _bench_ceiling(group: Any, args: argparse.Namespace) -> list[Row]:
 
 
 def case_config(mode: str, num_ranks: int, sms: int, chunk_send: int, chunk_recv: int,
-                roles: dict[str, int] | None = None) -> Config:
-    """The Config a normal-mode case runs with: the operation's own default chunk (what a call without config
-    gets: combine's differs from dispatch's, and both follow the warp roles, the defaults or ``roles``: Config's
-    warp-role fields), or chunk_send when given."""
+                roles: dict[str, int] | None = None, *, num_nvl_ranks: int | None = None, rdma_chunk_send: int = 0,
+                rdma_chunk_recv: int = 0) -> Config:
+    """The Config a normal-mode case runs with: the operation's own default (what a call without config gets:
+    combine's chunk differs from dispatch's, and inside one node both follow the warp roles, the defaults or
+    ``roles``: Config's warp-role fields), with each of sms, chunk_send, chunk_recv (and across NVLink nodes,
+    ``num_nvl_ranks`` below ``num_ranks``, rdma_chunk_send and rdma_chunk_recv) in its place where given (0: the
+    default's)."""
+    if num_nvl_ranks is not None and num_nvl_ranks < num_ranks:
+        getter = get_combine_config if mode == "combine" else get_dispatch_config
+        default = getter(num_ranks, num_nvl_ranks=num_nvl_ranks)
+        return Config(num_sms=sms or default.num_sms, nvl_chunk_send=chunk_send or default.nvl_chunk_send,
+                      nvl_chunk_recv=chunk_recv or default.nvl_chunk_recv,
+                      rdma_chunk_send=rdma_chunk_send or default.rdma_chunk_send,
+                      rdma_chunk_recv=rdma_chunk_recv or default.rdma_chunk_recv)
     spec = Config(**(roles or {})).spec(num_ranks)
     default = get_combine_config(num_ranks, spec) if mode == "combine" else get_dispatch_config(num_ranks, spec)
-    return Config(sms, chunk_send or default.nvl_chunk_send, chunk_recv, **(roles or {}))
+    return Config(sms or default.num_sms, chunk_send or default.nvl_chunk_send, chunk_recv or default.nvl_chunk_recv,
+                  **(roles or {}))
 
 
 def parse_roles(text: str) -> dict[str, int]:
@@ -273,15 +458,42 @@ def parse_roles(text: str) -> dict[str, int]:
     return roles
 
 
-def _bench_normal(group: Any, dist: Any, args: argparse.Namespace, modes: list[str]) -> list[Row]:
+def _case_configs(args: argparse.Namespace, modes: list[str], num_ranks: int,
+                  roles: dict[str, int]) -> dict[tuple[str, int], Config]:
+    """The Config of each (mode, --sms) case of this run (case_config)."""
+    return {(mode, sms): case_config(mode, num_ranks, sms, args.chunk_send, args.chunk_recv, roles,
+                                     num_nvl_ranks=args.num_nvl_ranks, rdma_chunk_send=args.rdma_chunk_send,
+                                     rdma_chunk_recv=args.rdma_chunk_recv)
+            for mode in modes for sms in args.sms}
+
+
+def _normal_buffer(group: Any, args: argparse.Namespace, configs: list[Config]) -> Any:
+    """One Buffer for every case: the largest size hint over the cases' configs, at the largest hidden size; across
+    NVLink nodes an internode Buffer, with its RDMA heap."""
     import epjit
 
+    r, v, hidden = group.size, group.num_nvl_ranks, max(args.hidden)
+    sizes = (args.topk, args.experts)
+    if v == r:
+        nvl = max(epjit.Buffer.get_normal_size_hint(r, hidden, *sizes, c) for c in configs)
+        return epjit.Buffer(group, num_nvl_bytes=nvl)
+    nvl = max(epjit.Buffer.get_normal_size_hint(r, hidden, *sizes, c, num_nvl_ranks=v) for c in configs)
+    rdma = max(epjit.Buffer.get_rdma_size_hint(r, hidden, *sizes, c, num_nvl_ranks=v) for c in configs)
+    if group.rank == 0:
+        print(f"internode kernels: {r // v} nodes of {v} ranks; NVLink buffer {nvl / 2**20:.1f} MiB, RDMA heap "
+              f"{rdma / 2**20:.1f} MiB a rank", flush=True)
+    return epjit.Buffer(group, num_nvl_bytes=nvl, num_rdma_bytes=rdma)
+
+
+def _bench_normal(group: Any, dist: Any, args: argparse.Namespace, modes: list[str],
+                  put_gbs: float | None = None) -> list[Row]:
+    """Normal-mode dispatch, FP8 dispatch and combine, inside one NVLink node or across several (an internode
+    Buffer, with the RDMA leg's columns; ``put_gbs``: the run's best put ceiling, for their % put)."""
     r = group.size
-    hint = epjit.Buffer.get_normal_size_hint(r, max(args.hidden), args.topk, args.experts,
-                                             Config(max(args.sms), 1, args.chunk_recv))
-    buf = epjit.Buffer(group, num_nvl_bytes=hint)
     roles = parse_roles(args.warp_roles)
-    if group.rank == 0:  # which warp roles these rows are of
+    configs = _case_configs(args, modes, r, roles)
+    buf = _normal_buffer(group, args, list(configs.values()))
+    if group.rank == 0 and group.num_nvl_ranks == r:  # which warp roles these rows are of
         print(f"intranode kernels: {Config(**roles).spec(r).family}", flush=True)
     rows: list[Row] = []
     try:
@@ -289,8 +501,8 @@ def _bench_normal(group: Any, dist: Any, args: argparse.Namespace, modes: list[s
             for tokens in args.tokens:
                 for sms in args.sms:
                     for mode in modes:
-                        cfg = case_config(mode, r, sms, args.chunk_send, args.chunk_recv, roles)
-                        rows.append(_bench_case(buf, group, dist, mode, tokens, hidden, args, cfg))
+                        cfg = configs[mode, sms]
+                        rows.append(_bench_case(buf, group, dist, mode, tokens, hidden, args, cfg, put_gbs))
                         if group.rank == 0:
                             _print_row(rows[-1])
     finally:
@@ -485,22 +697,64 @@ def _bench_low_latency_case(buf: Any, group: Any, dist: Any, args: argparse.Name
     return rows
 
 
-def _bench_case(buf: Any, group: Any, dist: Any, mode: str, tokens: int, hidden: int, args: argparse.Namespace,
-                cfg: Any) -> Row:
+def _case_input(mode: str, tokens: int, hidden: int) -> tuple[Any, int]:
+    """A case's dispatch input (bf16 rows, or FP8 rows with one scale per 128 channels) and its row's bytes."""
     import torch
 
-    r, rank = group.size, group.rank
-    idx, w = _routing(tokens, args.topk, args.experts, seed=1234 + rank)
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    if mode != "dispatch-fp8":
+        return x, hidden * 2
+    scales = x.float().view(tokens, hidden // 128, 128).abs().amax(-1).clamp(min=1e-4) / 448
+    xq = (x.float().view(tokens, hidden // 128, 128) / scales[..., None]).view(tokens, hidden)
+    return (xq.to(torch.float8_e4m3fn), scales.contiguous()), hidden + hidden // 128 * 4
+
+
+def _nccl_case_us(dist: Any, group: Any, mode: str, row_bytes: int, send_counts: list[int],
+                  recv_counts: list[int], repeat: int) -> float:
+    """NCCL all_to_all_single moving a normal-mode case's rows (bf16, or FP8 rows as uint8) with its split sizes."""
+    import torch
+
     fp8 = mode == "dispatch-fp8"
-    if fp8:
-        scales = x.float().view(tokens, hidden // 128, 128).abs().amax(-1).clamp(min=1e-4) / 448
-        xq = (x.float().view(tokens, hidden // 128, 128) / scales[..., None]).view(tokens, hidden)
-        x_arg: Any = (xq.to(torch.float8_e4m3fn), scales.contiguous())
-        row_bytes = hidden + hidden // 128 * 4
-    else:
-        x_arg = x
-        row_bytes = hidden * 2
+    cols, dtype = (row_bytes, torch.uint8) if fp8 else (row_bytes // 2, torch.bfloat16)
+    in_split, out_split = (recv_counts, send_counts) if mode == "combine" else (send_counts, recv_counts)
+    inp = torch.empty(sum(in_split), cols, dtype=dtype, device="cuda")
+    out = torch.empty(sum(out_split), cols, dtype=dtype, device="cuda")
+    return _median_us(lambda: dist.all_to_all_single(out, inp, out_split, in_split), group, repeat)
+
+
+def _rdma_pairs(group: Any, layout: Any, idx: Any, mode: str, num_experts: int) -> tuple[int, int]:
+    """(pairs whose messages leave this rank, pairs of all ranks) on the RDMA leg, from the routing on the host;
+    a layout's own per-node counts that disagree are reported."""
+    r, v = group.size, group.num_nvl_ranks
+    counts = tokens_per_node(idx.cpu().numpy(), num_experts, r, v)
+    per_node = getattr(layout, "num_tokens_per_rdma_rank", None)
+    if per_node is not None and [int(c) for c in per_node.cpu().tolist()] != counts:
+        print(f"rank {group.rank}: layout.num_tokens_per_rdma_rank {per_node.cpu().tolist()} but the routing "
+              f"sends {counts} tokens to each node", flush=True)
+    all_counts = group.allgather_object(counts)
+    return (rdma_pairs_out(mode, all_counts, group.rank, v),
+            sum(rdma_pairs_out(mode, all_counts, rank, v) for rank in range(r)))
+
+
+def _profile_case(buf: Any, group: Any, op: Any, mode: str, tokens: int, hidden: int, cfg: Any) -> None:
+    """Three calls of a case with EPJIT_PROFILE's marks and every rank's per-block stamps printed."""
+    for _ in range(3):
+        _start_together(group)  # as in the timed runs: the host's launches hidden behind the spin
+        op()
+        prof = buf.profile()
+        if group.rank == 0:
+            print(f"  profile {mode} {tokens}x{hidden} sms={cfg.num_sms}: {prof}", flush=True)
+        for name, rows in buf.profile_blocks().items():  # every rank's: a channel's two ends are on two ranks
+            print(f"  blocks {mode} {name} (sm, channel, points...): {sorted(rows, key=lambda b: b[1])}",
+                  flush=True)
+
+
+def _bench_case(buf: Any, group: Any, dist: Any, mode: str, tokens: int, hidden: int, args: argparse.Namespace,
+                cfg: Any, put_gbs: float | None = None) -> Row:
+    r, rank = group.size, group.rank
+    internode = group.num_nvl_ranks < r
+    idx, w = _routing(tokens, args.topk, args.experts, seed=1234 + rank)
+    x_arg, row_bytes = _case_input(mode, tokens, hidden)
     layout = buf.get_dispatch_layout(idx, args.experts)
     d = buf.dispatch(x_arg, topk_idx=idx, topk_weights=w, layout=layout, config=cfg)
     send_counts = layout.num_tokens_per_rank.cpu().tolist()
@@ -512,80 +766,95 @@ def _bench_case(buf: Any, group: Any, dist: Any, mode: str, tokens: int, hidden:
     else:
         op = (lambda: buf.dispatch(x_arg, topk_idx=idx, topk_weights=w, layout=layout, config=cfg))  # noqa: E731
         out_rows = sum(send_counts) - send_counts[rank]
+    rdma_out, rdma_all = _rdma_pairs(group, layout, idx, mode, args.experts) if internode else (0, 0)
     t_epjit = _median_us(op, group, args.repeat)
-    for _ in range(3 if args.profile else 0):
-        _start_together(group)  # as in the timed runs: the host's launches hidden behind the spin
-        op()
-        prof = buf.profile()
-        if group.rank == 0:
-            print(f"  profile {mode} {tokens}x{hidden} sms={cfg.num_sms}: {prof}", flush=True)
-        for name, rows in buf.profile_blocks().items():  # every rank's: a channel's two ends are on two ranks
-            print(f"  blocks {mode} {name} (sm, channel, points...): {sorted(rows, key=lambda b: b[1])}",
-                  flush=True)
-
-    nccl_us = None
-    if not args.no_nccl:
-        elem = 1 if fp8 else 2
-        cols = row_bytes // elem if not fp8 else row_bytes
-        dtype = torch.uint8 if fp8 else torch.bfloat16
-        if mode == "combine":
-            inp = torch.empty(recv_rows, cols, dtype=dtype, device="cuda")
-            out = torch.empty(sum(send_counts), cols, dtype=dtype, device="cuda")
-            in_split, out_split = recv_counts, send_counts
-        else:
-            inp = torch.empty(sum(send_counts), cols, dtype=dtype, device="cuda")
-            out = torch.empty(recv_rows, cols, dtype=dtype, device="cuda")
-            in_split, out_split = send_counts, recv_counts
-        nccl_us = _median_us(lambda: dist.all_to_all_single(out, inp, out_split, in_split), group, args.repeat)
+    if args.profile:
+        _profile_case(buf, group, op, mode, tokens, hidden, cfg)
+    nccl_us = None if args.no_nccl else _nccl_case_us(dist, group, mode, row_bytes, send_counts, recv_counts,
+                                                      args.repeat)
     out_gbs = out_rows * row_bytes / (t_epjit * 1e-6) / 1e9
     deepep_gbs = recv_rows * row_bytes / (t_epjit * 1e-6) / 1e9
+    rdma_gbs = rdma_leg_bytes(mode, hidden, args.topk, rdma_out) / (t_epjit * 1e-6) / 1e9
     # Report the slowest rank's time (every rank waits for it in a real step).
-    times = group.allgather_object((t_epjit, nccl_us, out_gbs))
+    times = group.allgather_object((t_epjit, nccl_us, out_gbs, rdma_gbs))
     t_epjit = max(t[0] for t in times)
     nccl_us = max(t[1] for t in times) if nccl_us is not None else None
     out_gbs = min(t[2] for t in times)
-    return Row(mode, tokens, hidden, args.topk, args.experts, cfg.num_sms, r, round(t_epjit, 1),
-               round(nccl_us, 1) if nccl_us else None, round(out_gbs, 1), round(deepep_gbs, 1),
-               round(out_rows * row_bytes / (nccl_us * 1e-6) / 1e9, 1) if nccl_us else None,
-               round(nccl_us / t_epjit, 2) if nccl_us else None, round(100 * out_gbs / PLAIN_STORE_CEILING_GBS, 1))
+    rdma_gbs = min(t[3] for t in times)
+    row = Row(mode, tokens, hidden, args.topk, args.experts, cfg.num_sms, r, round(t_epjit, 1),
+              round(nccl_us, 1) if nccl_us else None, round(out_gbs, 1), round(deepep_gbs, 1),
+              round(out_rows * row_bytes / (nccl_us * 1e-6) / 1e9, 1) if nccl_us else None,
+              round(nccl_us / t_epjit, 2) if nccl_us else None, round(100 * out_gbs / PLAIN_STORE_CEILING_GBS, 1),
+              group.num_nvl_ranks)
+    if internode:
+        row.rdma_pairs, row.rdma_bytes = rdma_all, rdma_leg_bytes(mode, hidden, args.topk, rdma_all)
+        row.rdma_gbs = round(rdma_gbs, 1)
+        row.pct_put = round(100 * rdma_gbs / put_gbs, 1) if put_gbs else None
+    return row
 
 
 _HEADER = (f"{'mode':<16} {'tokens':>6} {'hidden':>6} {'sms':>3} {'R':>2} {'epjit us':>9} {'out GB/s':>8} "
-           f"{'DeepEP GB/s':>11} {'NCCL us':>8} {'NCCL GB/s':>9} {'NCCL/epjit':>10} {'% NVLink':>8}")
+           f"{'DeepEP GB/s':>11} {'NCCL us':>8} {'NCCL GB/s':>9} {'NCCL/epjit':>10} {'% NVLink':>8} {'V':>2} "
+           f"{'RDMA pairs':>10} {'RDMA MB':>8} {'RDMA GB/s':>9} {'% put':>6}")
+
+
+def _cell(value: float | None, width: int, spec: str = ".1f") -> str:
+    """A column that rows without it (None) leave as '-'."""
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
 
 
 def _print_row(row: Row) -> None:
     if not getattr(_print_row, "header", False):
         print(_HEADER)
         _print_row.header = True  # type: ignore[attr-defined]
+    rdma_mb = row.rdma_bytes / 1e6 if row.rdma_bytes is not None else None
     print(f"{row.mode:<16} {row.tokens:>6} {row.hidden:>6} {row.sms:>3} {row.ranks:>2} {row.epjit_us:>9.1f} "
           f"{row.out_gbs:>8.1f} {row.deepep_gbs:>11.1f} {row.nccl_us or float('nan'):>8.1f} "
-          f"{row.nccl_out_gbs or float('nan'):>9.1f} {row.ratio or float('nan'):>10.2f} {row.pct_nvlink:>8.1f}",
-          flush=True)
+          f"{row.nccl_out_gbs or float('nan'):>9.1f} {row.ratio or float('nan'):>10.2f} {row.pct_nvlink:>8.1f} "
+          f"{_cell(row.num_nvl_ranks, 2, 'd')} {_cell(row.rdma_pairs, 10, 'd')} {_cell(rdma_mb, 8)} "
+          f"{_cell(row.rdma_gbs, 9)} {_cell(row.pct_put, 6)}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m epjit.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096])
     parser.add_argument("--hidden", type=int, nargs="+", default=[7168])
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
-    parser.add_argument("--sms", type=int, nargs="+", default=[24])
+    parser.add_argument("--sms", type=int, nargs="+", default=[0],
+                        help="normal mode: Config.num_sms (0: the default, 24; internode: even, two blocks a channel)")
     parser.add_argument("--chunk-send", type=int, default=0, help="tokens between tail updates (0: the default)")
-    parser.add_argument("--chunk-recv", type=int, default=256)
+    parser.add_argument("--chunk-recv", type=int, default=0, help="ring slots (Config.nvl_chunk_recv; 0: the default)")
+    parser.add_argument("--rdma-chunk-send", type=int, default=0,
+                        help="internode: Config.rdma_chunk_send (0: the default)")
+    parser.add_argument("--rdma-chunk-recv", type=int, default=0,
+                        help="internode: Config.rdma_chunk_recv (0: the default)")
+    parser.add_argument("--num-nvl-ranks", type=int, default=None, metavar="V",
+                        help="ranks of one NVLink node (epjit.init(num_nvl_ranks=V); default: a host's). Below the "
+                             "ranks: the normal modes run on an internode Buffer, with the RDMA leg's columns; on "
+                             "one host, virtual nodes")
     parser.add_argument("--warp-roles", default="",
                         help="normal mode: Config's warp-role fields, e.g. dispatch_phased=1,combine_send_warps=3 "
                              "(default: the defaults for the rank count)")
     parser.add_argument("--modes", nargs="+", default=["dispatch", "dispatch-fp8", "combine"],
                         choices=["dispatch", "dispatch-fp8", "combine", "ll-dispatch", "ll-combine", "ll-hook",
-                                 "ceiling"],
+                                 "ceiling", "put-ceiling"],
                         help="normal mode: dispatch, dispatch-fp8, combine; low latency (CUDA-graph replays): "
                              "ll-dispatch (FP8), ll-combine, ll-hook (send and receive halves of each); ceiling: "
                              "warp and bulk (TMA) copies to one peer, to every peer and locally, by SMs "
-                             "(--ceiling-sms)")
+                             "(--ceiling-sms); put-ceiling: as --put-ceiling")
     parser.add_argument("--ceiling-sms", type=int, nargs="+", default=[4, 8, 12, 16, 24, 32],
                         help="SM counts of the ceiling mode (all SMs are always added)")
+    parser.add_argument("--put-ceiling", action="store_true",
+                        help="first time NVSHMEM warp puts with signals between rail peers of different NVLink "
+                             "nodes, both ways at once (needs --num-nvl-ranks below the ranks); the internode rows' "
+                             "%% put is against the best of them")
+    parser.add_argument("--put-sms", type=int, nargs="+", default=[4, 8, 16, 24], help="blocks of the put ceiling")
+    parser.add_argument("--put-warps", type=int, nargs="+", default=[1, 24],
+                        help="warps a block of the put ceiling (1: one putting warp a channel, as the RDMA leg)")
+    parser.add_argument("--put-chunks", type=int, nargs="+", default=[16, 64, 256, 1024], metavar="KIB",
+                        help="bytes of one put of the put ceiling, in KiB")
     parser.add_argument("--ll-tokens", type=int, nargs="+", default=[128],
                         help="tokens per rank of the low-latency cases (the buffer holds the largest)")
     parser.add_argument("--repeat", type=int, default=30)
@@ -594,13 +863,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="print where one call of each case spends its time")
     parser.add_argument("--summary", nargs="+", metavar="JSON",
                         help="print the rows of earlier --json files as one table, and nothing else (no GPU)")
-    args = parser.parse_args(argv)
-    if args.summary:
-        for path in args.summary:
-            with open(path) as f:
-                for row in json.load(f)["rows"]:
-                    _print_row(Row(**row))
-        return 0
+    return parser
+
+
+def _launched_ranks(environ: Any) -> int | None:
+    """The job's rank count as its launcher tells it (epjit's, MPI's, torchrun's), or None where none does."""
+    for name in (WORLD_SIZE, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "WORLD_SIZE"):
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def _print_summary(paths: list[str]) -> None:
+    fields = set(Row.__dataclass_fields__)
+    for path in paths:
+        with open(path) as f:
+            for row in json.load(f)["rows"]:
+                _print_row(Row(**{k: v for k, v in row.items() if k in fields}))
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse what cannot be timed, before any rank starts (the rank count is checked again once known)."""
     try:
         parse_roles(args.warp_roles)
     except ValueError as e:
@@ -610,6 +894,23 @@ def main(argv: list[str] | None = None) -> int:
     if settings().share_gpus:
         parser.error("EPJIT_SHARE_GPUS is set: ranks sharing a GPU are time-sliced, so their timings mean nothing "
                      "(and NCCL refuses two ranks on one GPU)")
+    if min(args.put_sms) < 1 or min(args.put_chunks) < 1 or not 1 <= min(args.put_warps) <= max(args.put_warps) <= 32:
+        parser.error("--put-sms and --put-chunks must be >= 1, --put-warps in [1, 32]")
+    problem = topology_problem(_launched_ranks(os.environ), args.num_nvl_ranks, args.modes, args.warp_roles,
+                               args.sms)
+    if problem:
+        parser.error(problem)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.summary:
+        _print_summary(args.summary)
+        return 0
+    if args.put_ceiling and "put-ceiling" not in args.modes:
+        args.modes = ["put-ceiling", *args.modes]
+    _check_args(parser, args)
     start = time.time()
     if args.profile:
         os.environ["EPJIT_PROFILE"] = "1"

@@ -1,5 +1,6 @@
-"""The benchmark's own kernels (cuda_src/bench/): a wall-clock spin that hides the host's launches, and the copy
-ceilings. They are not part of the product's kernels; ``python -m epjit.jit --check`` builds them too."""
+"""The benchmark's own kernels (cuda_src/bench/): a wall-clock spin that hides the host's launches, the copy
+ceilings and the NVSHMEM put ceiling. They are not part of the product's kernels; ``python -m epjit.jit --check``
+builds them too."""
 
 from __future__ import annotations
 
@@ -30,6 +31,30 @@ class CopyCeilingSpec(KernelSpec):
     }
 
 
+# kPutCeilingHeaderBytes of cuda_src/bench/put_ceiling.cu: the signal word's share of the symmetric allocation,
+# before the send and receive regions.
+PUT_CEILING_HEADER_BYTES = 128
+
+
+@dataclass(frozen=True)
+class PutCeilingSpec(KernelSpec):
+    """cuda_src/bench/put_ceiling.cu: every warp puts chunks with signals to the rail peer on the next NVLink node
+    and waits for its own rail peer's (the benchmark's ceiling of the internode RDMA leg)."""
+
+    SOURCE = "bench/put_ceiling.cu"
+    KERNELS = {
+        "put_ceiling": (PEERS, ("dst_pe", "int"), ("src_pe", "int"), ("n_bytes", "int64_t"),
+                        ("chunk_bytes", "int64_t"), ("expected", "uint64_t")),
+    }
+    USES_NVSHMEM = True
+
+
+def put_ceiling_heap_bytes(n_bytes: int) -> int:
+    """Bytes of the symmetric allocation put_ceiling uses for ``n_bytes`` a rank: the signal, then the send and
+    the receive regions."""
+    return PUT_CEILING_HEADER_BYTES + 2 * n_bytes
+
+
 def bench_specs() -> list[KernelSpec]:
     """The benchmark's modules, for `python -m epjit.jit --check`."""
-    return [SpinSpec(), CopyCeilingSpec()]
+    return [SpinSpec(), CopyCeilingSpec(), PutCeilingSpec()]
