@@ -126,20 +126,6 @@ __device__ __forceinline__ void put_chunk(const InternodeCall& call, int node_, 
                                     NVSHMEM_SIGNAL_SET, call.rail_peer(node_));
 }
 
-// The chunks of [from, to) that are whole (or, when `to` ends the stream, all of them), put in order. Returns
-// where the next put starts.
-__device__ __forceinline__ int64_t put_chunks_until(const InternodeCall& call, int node_, int64_t from, int64_t to,
-                                                    bool stream_ends, int lane) {
-    const int64_t size = call.chunks.size;
-    const int64_t last = stream_ends ? to : to / size * size;
-    while (from < last) {
-        const int64_t chunk_end = min((from / size + 1) * size, last);
-        put_chunk(call, node_, from, chunk_end, lane);
-        from = chunk_end;
-    }
-    return from;
-}
-
 // A received token message (RDMA or NVLink slot, peer-written: volatile loads) into row `row` of dispatch's outputs,
 // its top-k ids made local to this rank (-1 elsewhere, weight 0 there).
 struct ReceivedRow {
@@ -353,148 +339,128 @@ __global__ void internode_notify(const PeersTable* peers, const int* num_tokens_
 
 // ------------------------------------------------------------------------------------------------------- dispatch
 
-// The senders of a sending block: the channel's tokens, 32 at a time, staged once for each node they go to at the
-// next positions of that node's ring (after the stream's meta message); receipts in send_rdma_head (k, or -k-1 with
-// k the index the next token for that node takes: combine's readers find their rows by them). Warp 0 waits for
-// ring room; each window ends with the group's barrier and the staged positions published to the coordinator.
+// One token message staged at a slot: header, x (and FP8 scales), global top-k ids and weights. The whole warp.
+__device__ __forceinline__ void stage_token(char* slot, int t, uint32_t mask, const int4* x, const float* x_scales,
+                                            const int64_t* topk_idx, const float* topk_weights, int x_int4,
+                                            int num_scales, int hidden, int num_topk, int lane) {
+    if (lane == 0) *reinterpret_cast<int4*>(slot) = make_int4(t, static_cast<int>(mask), kMsgToken, 0);
+    warp_copy(msg_x(slot), x + static_cast<int64_t>(t) * x_int4, x_int4, lane);
+    for (int s = lane; s < num_scales; s += 32)
+        msg_scales(slot, hidden)[s] = x_scales[static_cast<int64_t>(t) * num_scales + s];
+    if (topk_idx != nullptr && lane < num_topk) {
+        msg_topk_idx(slot, hidden)[lane] = static_cast<int>(topk_idx[static_cast<int64_t>(t) * num_topk + lane]);
+        msg_topk_weights(slot, hidden, num_topk)[lane] =
+            topk_weights != nullptr ? topk_weights[static_cast<int64_t>(t) * num_topk + lane] : 0.0f;
+    }
+}
+
+// A stream's meta message (its first): the stream's tokens, my tokens for node m in earlier channels, and for each
+// rank of the node where its tokens start and how many this channel carries. The whole warp.
+template <int kNumNvlRanks>
+__device__ __forceinline__ void stage_meta(char* slot, int m, int channel, int num_channels,
+                                           const int* channel_prefix_matrix, const int* rdma_channel_prefix,
+                                           int lane) {
+    const int* rdma_prefix = rdma_channel_prefix + m * num_channels;
+    const int before = channel > 0 ? rdma_prefix[channel - 1] : 0;
+    if (lane == 0) *reinterpret_cast<int4*>(slot) = make_int4(rdma_prefix[channel] - before, before, kMsgMeta, 0);
+    if (lane < kNumNvlRanks) {
+        const int* prefix = channel_prefix_matrix + (m * kNumNvlRanks + lane) * num_channels;
+        const int start = channel > 0 ? prefix[channel - 1] : 0;
+        reinterpret_cast<int*>(slot + 16)[lane] = start;
+        reinterpret_cast<int*>(slot + 16)[kNumNvlRanks + lane] = prefix[channel] - start;
+    }
+}
+
+// The senders of a sending block, each warp on its own. Every warp walks the channel's tokens 32 at a time and
+// computes, by ballots, the position each token takes in each node's stream (after the stream's meta message);
+// chunk q of a stream belongs to warp q % kSendWarps, which stages its messages (the first once the ring has room)
+// and puts the chunk, with its flag, as soon as it staged the chunk's last message. So the puts spread over every
+// sending warp (on one host NVSHMEM's peer-to-peer put is the calling warp's own copy: one warp putting every chunk
+// was the channel's bottleneck), and no warp waits for another. Warp 0 writes the receipts (send_rdma_head: k, or
+// -k-1 with k the index the next token for that node takes: combine's readers find their rows by them).
+// No deadlock: a chunk's room needs chunks ending a window and more before it (Config: Q S >= 32 + 2 S), which
+// every warp past that window has put, so the warp furthest behind can always go on.
 template <int kNumNodes, int kNumNvlRanks, int kSendWarps>
-__device__ void dispatch_senders(const InternodeCall& call, volatile int64_t* staged, const int64_t* stream_base,
-                                 const int4* x, const float* x_scales, const int64_t* topk_idx,
-                                 const float* topk_weights, const bool* is_token_in_rank,
+__device__ void dispatch_senders(const InternodeCall& call, const int4* x, const float* x_scales,
+                                 const int64_t* topk_idx, const float* topk_weights, const bool* is_token_in_rank,
                                  const int* channel_prefix_matrix, const int* rdma_channel_prefix,
                                  int* send_rdma_head, int num_tokens, int num_scales, int warp, int lane) {
     constexpr int N = kNumNodes, V = kNumNvlRanks, R = N * V;
     const int c = call.channel, C = call.num_channels, hidden = call.hidden, K = call.num_topk;
+    const int64_t S = call.chunks.size;
     const int x_int4 = num_scales > 0 ? hidden / 16 : hidden / 8;
-    int64_t base = lane < N ? stream_base[lane] : 0, tail = base + 1;  // lane m: node m's ring
-    if (warp == 0 && lane < N) {
-        // A ring is written only once its reader has read everything before (its layout may have changed since).
+    int64_t base = 0, end = 0;  // lane m: node m's stream: its meta message's position, its end
+    if (lane < N) {
         const RdmaRing& ring = call.ring(lane);
         const int64_t last_end = static_cast<int64_t>(ring.tail);
+        base = call.chunks.start(last_end);
+        const int* prefix = rdma_channel_prefix + lane * C;
+        end = base + 1 + prefix[c] - (c > 0 ? prefix[c - 1] : 0);
+        // A ring is written only once its reader has read everything before (its layout may have changed since).
         timeout_while(call.peers, WaitSite{"internode_dispatch sender: the RDMA ring to drain", call.rail_peer(lane),
                                            c, last_end},
                       [&](int64_t& seen) {
                           seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
                           return seen < last_end;
                       });
-        // The stream's meta message: its tokens, my tokens for the node in earlier channels, and for each rank of
-        // the node where its tokens start and how many this channel carries.
-        const int* rdma_prefix = rdma_channel_prefix + lane * C;
-        const int before = c > 0 ? rdma_prefix[c - 1] : 0;
-        char* slot = call.staging_slot(lane, base);
-        *reinterpret_cast<int4*>(slot) = make_int4(rdma_prefix[c] - before, before, kMsgMeta, 0);
-        int* ints = reinterpret_cast<int*>(slot + 16);
-        for (int j = 0; j < V; ++j) {
-            const int* prefix = channel_prefix_matrix + (lane * V + j) * C;
-            const int start = c > 0 ? prefix[c - 1] : 0;
-            ints[j] = start;
-            ints[V + j] = prefix[c] - start;
-        }
     }
-    ptx::bar_sync(1, kSendWarps * 32);
-    int begin, end;
-    channel_range(num_tokens, C, c, begin, end);
-    const int64_t lo_mask = (1ll << lane) - 1;
-    for (int t0 = begin; t0 < end; t0 += 32) {
+    __syncwarp();
+    auto chunk_done = [&](int m, int64_t p, int64_t stream_base, int64_t stream_end) {
+        if (p % S == S - 1 || p + 1 == stream_end) {
+            __syncwarp();
+            ptx::fence_acq_rel_gpu();  // the chunk's slots before the put (or flag) that carries them
+            put_chunk(call, m, max(p / S * S, stream_base), p + 1, lane);
+        }
+    };
+#pragma unroll
+    for (int m = 0; m < N; ++m) {  // the streams' first chunks: the meta message (the drained ring has room)
+        const int64_t base_m = __shfl_sync(kFullMask, base, m), end_m = __shfl_sync(kFullMask, end, m);
+        if (base_m / S % kSendWarps != warp) continue;
+        stage_meta<V>(call.staging_slot(m, base_m), m, c, C, channel_prefix_matrix, rdma_channel_prefix, lane);
+        chunk_done(m, base_m, base_m, end_m);
+    }
+    int64_t tail = base + 1;
+    int begin, stop;
+    channel_range(num_tokens, C, c, begin, stop);
+    for (int t0 = begin; t0 < stop; t0 += 32) {
         const int token = t0 + lane;
         uint32_t ballot[N];
-        uint32_t any = 0;
 #pragma unroll
-        for (int m = 0; m < N; ++m) {
-            ballot[m] = __ballot_sync(kFullMask, token < end && node_mask<V>(is_token_in_rank, token, R, m) != 0);
-            any |= ballot[m];
-        }
-        int count = 0;  // lane m: tokens of this window for node m
+        for (int m = 0; m < N; ++m)
+            ballot[m] = __ballot_sync(kFullMask, token < stop && node_mask<V>(is_token_in_rank, token, R, m) != 0);
 #pragma unroll
         for (int m = 0; m < N; ++m) {
             const int64_t tail_m = __shfl_sync(kFullMask, tail, m), base_m = __shfl_sync(kFullMask, base, m);
-            if (lane == m) count = __popc(ballot[m]);
-            if (warp == 0 && token < end) {
-                const int k = static_cast<int>(tail_m - base_m - 1) + __popc(ballot[m] & static_cast<uint32_t>(lo_mask));
+            const int64_t end_m = __shfl_sync(kFullMask, end, m);
+            if (warp == 0 && token < stop) {
+                const int k = static_cast<int>(tail_m - base_m - 1) + __popc(ballot[m] & ((1u << lane) - 1));
                 send_rdma_head[static_cast<int64_t>(token) * N + m] = ballot[m] >> lane & 1 ? k : -k - 1;
             }
-        }
-        if (warp == 0 && lane < N && count > 0) {
-            const int64_t need = call.chunks.head_needed(tail + count - 1);
-            const RdmaRing& ring = call.ring(lane);
-            timeout_while(call.peers, WaitSite{"internode_dispatch sender: RDMA ring room (head)",
-                                               call.rail_peer(lane), c, need},
-                          [&](int64_t& seen) {
-                              seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
-                              return seen < need;
-                          });
-        }
-        ptx::bar_sync(1, kSendWarps * 32);
-        int k = 0;
-        for (uint32_t w = any; w != 0; w &= w - 1, ++k) {
-            if (k % kSendWarps != warp) continue;
-            const int l = __ffs(static_cast<int>(w)) - 1, t = t0 + l;
-#pragma unroll
-            for (int m = 0; m < N; ++m) {
-                if (!(ballot[m] >> l & 1)) continue;
-                const int64_t p = __shfl_sync(kFullMask, tail, m) + __popc(ballot[m] & ((1u << l) - 1));
-                char* slot = call.staging_slot(m, p);
-                const uint32_t mask = node_mask<V>(is_token_in_rank, t, R, m);
-                if (lane == 0) *reinterpret_cast<int4*>(slot) = make_int4(t, static_cast<int>(mask), kMsgToken, 0);
-                warp_copy(msg_x(slot), x + static_cast<int64_t>(t) * x_int4, x_int4, lane);
-                for (int s = lane; s < num_scales; s += 32)
-                    msg_scales(slot, hidden)[s] = x_scales[static_cast<int64_t>(t) * num_scales + s];
-                if (topk_idx != nullptr && lane < K) {
-                    msg_topk_idx(slot, hidden)[lane] = static_cast<int>(topk_idx[static_cast<int64_t>(t) * K + lane]);
-                    msg_topk_weights(slot, hidden, K)[lane] =
-                        topk_weights != nullptr ? topk_weights[static_cast<int64_t>(t) * K + lane] : 0.0f;
+            for (uint32_t w = ballot[m]; w != 0; w &= w - 1) {
+                const int l = __ffs(static_cast<int>(w)) - 1;
+                const int64_t p = tail_m + __popc(ballot[m] & ((1u << l) - 1));
+                if (p / S % kSendWarps != warp) continue;
+                if (p % S == 0 && lane == 0) {  // the first message of my chunk: room for the whole chunk
+                    const int64_t need = call.chunks.head_needed(p);
+                    const RdmaRing& ring = call.ring(m);
+                    timeout_while(call.peers, WaitSite{"internode_dispatch sender: RDMA ring room (head)",
+                                                       call.rail_peer(m), c, need},
+                                  [&](int64_t& seen) {
+                                      seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
+                                      return seen < need;
+                                  });
                 }
+                __syncwarp();
+                stage_token(call.staging_slot(m, p), t0 + l, node_mask<V>(is_token_in_rank, t0 + l, R, m), x,
+                            x_scales, topk_idx, topk_weights, x_int4, num_scales, hidden, K, lane);
+                chunk_done(m, p, base_m, end_m);
             }
         }
-        tail += count;
-        ptx::bar_sync(1, kSendWarps * 32);
-        if (warp == 0) {
-            ptx::fence_acq_rel_gpu();  // the window's slots before the coordinator's puts (or flags) that read them
-            if (lane < N) staged[lane] = tail;
-        }
+#pragma unroll
+        for (int m = 0; m < N; ++m)
+            if (lane == m) tail += __popc(ballot[m]);
     }
-    ptx::bar_sync(1, kSendWarps * 32);  // a channel without tokens: the meta messages alone
-    if (warp == 0) {
-        ptx::fence_acq_rel_gpu();
-        if (lane < N) staged[lane] = tail;
-    }
-}
-
-// The RDMA coordinator of a sending block: lane m follows node m's staged positions and the warp puts every whole
-// chunk (and the stream's last, short one) as soon as it is staged. Then my ring ends are kept for the next call.
-template <int kNumNodes>
-__device__ void dispatch_coordinator(const InternodeCall& call, volatile int64_t* staged, const int64_t* stream_base,
-                                     const int* rdma_channel_prefix, int lane) {
-    constexpr int N = kNumNodes;
-    const int c = call.channel, C = call.num_channels;
-    int64_t put = 0, end = 0;
-    if (lane < N) {
-        const int* prefix = rdma_channel_prefix + lane * C;
-        put = stream_base[lane];
-        end = put + 1 + prefix[c] - (c > 0 ? prefix[c - 1] : 0);
-    }
-    while (__any_sync(kFullMask, put < end)) {
-        int64_t ready = put;
-        timeout_while(call.peers, WaitSite{"internode_dispatch RDMA coordinator: tokens staged by the senders", -1,
-                                           c, 0},
-                      [&](int64_t& seen) {
-                          ready = lane < N ? staged[lane] : 0;
-                          const bool ends = ready == end;
-                          if (!ends) ready = ready / call.chunks.size * call.chunks.size;
-                          seen = ready;
-                          return !__any_sync(kFullMask, put < end && put < ready);
-                      });
-        ptx::fence_acq_rel_gpu();
-        const uint32_t work = __ballot_sync(kFullMask, put < end && put < ready);
-        for (uint32_t w = work; w != 0; w &= w - 1) {
-            const int m = __ffs(static_cast<int>(w)) - 1;
-            const int64_t from = __shfl_sync(kFullMask, put, m), to = __shfl_sync(kFullMask, ready, m);
-            const int64_t stream_end = __shfl_sync(kFullMask, end, m);
-            const int64_t next = put_chunks_until(call, m, from, to, to == stream_end, lane);
-            if (lane == m) put = next;
-        }
-    }
-    if (lane < N) call.ring(lane).tail = static_cast<uint64_t>(call.chunks.start(end));
+    if (warp == 0 && lane < N) call.ring(lane).tail = static_cast<uint64_t>(call.chunks.start(end));
 }
 
 // A receiving group of a sending block: ring (c, peer -> me) of my NVLink buffer, written by node peer `peer`'s
@@ -617,9 +583,17 @@ __device__ int next_forward_batch(const InternodeCall& call, ForwardStream* stre
                 ++s.pos;
                 if (s.pos >= landed) continue;
             }
+            // Chunks that landed after this one extend the batch (each flag proves its own chunk).
+            int64_t avail = landed;
+            while (avail < s.end && avail < s.pos + 32) {
+                const int64_t next = static_cast<int64_t>(
+                    ptx::ld_acquire_sys_u64(&call.ring(n).flag[call.chunks.flag(avail)]));
+                if (next <= avail) break;
+                avail = next;
+            }
             found = n;
             from = s.pos;
-            to = min(min(landed, s.pos + 32), s.end);
+            to = min(min(avail, s.pos + 32), s.end);
             round_robin = n + 1;
         }
     };
@@ -772,7 +746,7 @@ internode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
                    int num_tokens, int hidden, int num_scales, int num_topk, int num_experts, int expert_cap,
                    int num_channels, int rdma_slots, int rdma_chunk, int nvl_slots, int num_worst_tokens) {
     constexpr int N = kNumNodes, V = kNumNvlRanks, kNumWarps = kNumThreads / 32;
-    static_assert(kDispatchSendWarps + 1 + (V - 1) * kDispatchRecvWarps <= kNumWarps, "sending block roles");
+    static_assert(kDispatchSendWarps + (V - 1) * kDispatchRecvWarps <= kNumWarps, "sending block roles");
     static_assert(V * kForwardWarps + 1 <= kNumWarps, "forwarding block roles");
     const int claimed = claim_channel(claims, peers, 2 * num_channels);  // every block claims, even to stop
     if (claimed < 0) return;
@@ -787,21 +761,12 @@ internode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
                           num_scales > 0 ? hidden / 16 : hidden / 8, num_scales, num_topk, hidden, lo,
                           lo + num_experts / (N * V)};
     if (claimed % 2 == 0) {
-        __shared__ volatile int64_t staged[N];
-        __shared__ int64_t stream_base[N];
-        if (threadIdx.x < N) {
-            stream_base[threadIdx.x] = call.chunks.start(static_cast<int64_t>(call.ring(threadIdx.x).tail));
-            staged[threadIdx.x] = stream_base[threadIdx.x];
-        }
-        __syncthreads();
         if (warp < kDispatchSendWarps) {
-            dispatch_senders<N, V, kDispatchSendWarps>(call, staged, stream_base, x, x_scales, topk_idx, topk_weights,
-                                                       is_token_in_rank, channel_prefix_matrix, rdma_channel_prefix,
-                                                       send_rdma_head, num_tokens, num_scales, warp, lane);
-        } else if (warp == kDispatchSendWarps) {
-            dispatch_coordinator<N>(call, staged, stream_base, rdma_channel_prefix, lane);
-        } else if (warp < kDispatchSendWarps + 1 + (V - 1) * kDispatchRecvWarps) {
-            const int w = warp - kDispatchSendWarps - 1;
+            dispatch_senders<N, V, kDispatchSendWarps>(call, x, x_scales, topk_idx, topk_weights, is_token_in_rank,
+                                                       channel_prefix_matrix, rdma_channel_prefix, send_rdma_head,
+                                                       num_tokens, num_scales, warp, lane);
+        } else if (warp < kDispatchSendWarps + (V - 1) * kDispatchRecvWarps) {
+            const int w = warp - kDispatchSendWarps;
             dispatch_receivers<N, V, kDispatchRecvWarps>(call, out, recv_rank_prefix, recv_channel_offset,
                                                          recv_channel_count, w / kDispatchRecvWarps,
                                                          w % kDispatchRecvWarps, lane);
@@ -1016,17 +981,71 @@ __device__ void combine_head_coordinator(const InternodeCall& call, volatile int
     if (lane < N) call.ring(lane).head = static_cast<uint64_t>(final_head);
 }
 
-// Forwarding group for home node n: each token this rank forwarded from n on this channel, in RDMA order: its rows
-// from my node (mine from y, the others' from sub-ring n of their regions in my buffer, by send_nvl_head's receipts)
-// summed in float32 by rank, rounded to bf16, with the weights' sum, into the ring back to n; whole chunks put after
-// each round of the group's warps, the rest at the end.
+// One forwarded token's partial: its rows from my node (mine from y, the others' from sub-ring n of their regions in
+// my buffer, where send_nvl_head's receipts say) summed in float32 by rank, rounded to bf16, and their weights'
+// sum, into staging slot `out`. The whole warp; lane j < V holds the receipt of rank j and where its sub-ring starts.
+template <int kNumNodes, int kNumNvlRanks>
+__device__ void forward_partial(const InternodeCall& call, int n, char* out, const int4* y, const float* y_topk_weights,
+                                int own_rows, int receipt, int64_t nvl_base, int lane) {
+    constexpr int N = kNumNodes, V = kNumNvlRanks;
+    const int c = call.channel, me = call.nvl_rank, K = call.num_topk;
+    const int row_int4 = call.hidden / 8, sub_slots = call.nvl_slots / N;
+    const InternodeNvl mine = call.nvl(me);
+    if (lane < V && lane != me && receipt >= 0) {
+        const uint64_t* tail = &mine.ring_words(c, lane).combine_tail[n];
+        const int64_t need = nvl_base + receipt + 1;
+        timeout_while(call.peers, WaitSite{"internode_combine forwarder: NVLink sub-ring tail", call.node * V + lane,
+                                           c, need},
+                      [&](int64_t& seen) {
+                          seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(tail));
+                          return seen < need;
+                      });
+    }
+    __syncwarp();
+    const int4* rows[V];
+    const float* weights[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        const int r = __shfl_sync(kFullMask, receipt, j);
+        const int64_t b = __shfl_sync(kFullMask, nvl_base, j);
+        if (r < 0) {
+            rows[j] = nullptr, weights[j] = nullptr;
+        } else if (j == me) {
+            rows[j] = y + static_cast<int64_t>(own_rows + r) * row_int4;
+            weights[j] = y_topk_weights != nullptr ? y_topk_weights + static_cast<int64_t>(own_rows + r) * K : nullptr;
+        } else {
+            char* slot = mine.slot_at(c, j, n * sub_slots + (b + r) % sub_slots);
+            rows[j] = msg_x(slot);
+            weights[j] = reinterpret_cast<const float*>(msg_topk_idx(slot, call.hidden));
+        }
+    }
+    for (int i = lane; i < row_int4; i += 32) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+            if (rows[j] != nullptr) add_bf16x8(acc, ptx::ld_volatile_global_v4(rows[j] + i));
+        msg_x(out)[i] = pack_bf16x8(acc);
+    }
+    if (y_topk_weights != nullptr && lane < K) {
+        float w = 0.0f;
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+            if (weights[j] != nullptr) w += ld_volatile_f32(weights[j] + lane);
+        reinterpret_cast<float*>(msg_topk_idx(out, call.hidden))[lane] = w;
+    }
+}
+
+// Forwarding group for home node n: each token this rank forwarded from n on this channel, in RDMA order, as a
+// partial (forward_partial) into the ring back to n. Chunk q of the stream belongs to warp q % warps of the group,
+// which fills it and puts it (puts spread over the group's warps, as dispatch's senders do); after each round of
+// `warps` chunks the group meets, and the sub-rings' heads move past what the round consumed.
 template <int kNumNodes, int kNumNvlRanks>
 __device__ void combine_forward_node(const InternodeCall& call, int n, const int4* y, const float* y_topk_weights,
                                      const int* recv_channel_offset, const int* recv_rdma_channel,
                                      const int* send_nvl_head, int warps, int barrier, int warp_in_group, int lane) {
-    constexpr int N = kNumNodes, V = kNumNvlRanks;
-    const int c = call.channel, C = call.num_channels, me = call.nvl_rank, K = call.num_topk;
-    const int row_int4 = call.hidden / 8, sub_slots = call.nvl_slots / N;
+    constexpr int V = kNumNvlRanks;
+    const int c = call.channel, C = call.num_channels, me = call.nvl_rank;
+    const int64_t S = call.chunks.size;
     const int first = recv_rdma_channel[(n * C + c) * 2], count = recv_rdma_channel[(n * C + c) * 2 + 1];
     const int own_rows = recv_channel_offset[(n * V + me) * C + c];
     const InternodeNvl mine = call.nvl(me);
@@ -1042,24 +1061,11 @@ __device__ void combine_forward_node(const InternodeCall& call, int n, const int
                           return seen < last_end;
                       });
     ptx::bar_sync(barrier, warps * 32);
-    int64_t put = base;
-    for (int round = 0; round * warps < count; ++round) {
-        const int k = round * warps + warp_in_group;
-        if (k < count) {
-            const int receipt = lane < V ? send_nvl_head[static_cast<int64_t>(first + k) * V + lane] : -1;
-            if (lane < V && lane != me && receipt >= 0) {
-                const uint64_t* tail = &mine.ring_words(c, lane).combine_tail[n];
-                const int64_t need = nvl_base + receipt + 1;
-                timeout_while(call.peers, WaitSite{"internode_combine forwarder: NVLink sub-ring tail",
-                                                   call.node * V + lane, c, need},
-                              [&](int64_t& seen) {
-                                  seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(tail));
-                                  return seen < need;
-                              });
-            }
-            const int64_t pos = base + k;
+    for (int64_t round = 0; round * warps * S < count; ++round) {
+        const int64_t k0 = (round * warps + warp_in_group) * S, k1 = min(k0 + S, static_cast<int64_t>(count));
+        if (k0 < count) {
             if (lane == 0) {
-                const int64_t need = call.chunks.head_needed(pos);
+                const int64_t need = call.chunks.head_needed(base + k0);
                 timeout_while(call.peers, WaitSite{"internode_combine forwarder: RDMA ring room (head)",
                                                    call.rail_peer(n), c, need},
                               [&](int64_t& seen) {
@@ -1068,52 +1074,24 @@ __device__ void combine_forward_node(const InternodeCall& call, int n, const int
                               });
             }
             __syncwarp();
-            const int4* rows[V];
-            const float* weights[V];
-#pragma unroll
-            for (int j = 0; j < V; ++j) {
-                const int r = __shfl_sync(kFullMask, receipt, j);
-                const int64_t b = __shfl_sync(kFullMask, nvl_base, j);
-                if (r < 0) {
-                    rows[j] = nullptr, weights[j] = nullptr;
-                } else if (j == me) {
-                    rows[j] = y + static_cast<int64_t>(own_rows + r) * row_int4;
-                    weights[j] = y_topk_weights != nullptr ? y_topk_weights + static_cast<int64_t>(own_rows + r) * K
-                                                           : nullptr;
-                } else {
-                    char* slot = mine.slot_at(c, j, n * sub_slots + (b + r) % sub_slots);
-                    rows[j] = msg_x(slot);
-                    weights[j] = reinterpret_cast<const float*>(msg_topk_idx(slot, call.hidden));
-                }
+            for (int64_t k = k0; k < k1; ++k) {
+                const int receipt = lane < V ? send_nvl_head[(first + k) * V + lane] : -1;
+                forward_partial<kNumNodes, V>(call, n, call.staging_slot(n, base + k), y, y_topk_weights, own_rows,
+                                              receipt, nvl_base, lane);
             }
-            char* out = call.staging_slot(n, pos);
-            for (int i = lane; i < row_int4; i += 32) {
-                float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-#pragma unroll
-                for (int j = 0; j < V; ++j)
-                    if (rows[j] != nullptr) add_bf16x8(acc, ptx::ld_volatile_global_v4(rows[j] + i));
-                msg_x(out)[i] = pack_bf16x8(acc);
-            }
-            if (y_topk_weights != nullptr && lane < K) {
-                float w = 0.0f;
-#pragma unroll
-                for (int j = 0; j < V; ++j)
-                    if (weights[j] != nullptr) w += ld_volatile_f32(weights[j] + lane);
-                reinterpret_cast<float*>(msg_topk_idx(out, call.hidden))[lane] = w;
-            }
+            __syncwarp();
+            ptx::fence_acq_rel_gpu();  // the chunk's slots before the put (or flag) that carries them
+            put_chunk(call, n, base + k0, base + k1, lane);
         }
         ptx::bar_sync(barrier, warps * 32);
-        const int done = min((round + 1) * warps, count);
-        if (warp_in_group == 0) {
-            // The sub-rings' heads: what the round's last token consumed of each (its receipt says).
-            const int receipt = lane < V ? send_nvl_head[static_cast<int64_t>(first + done - 1) * V + lane] : 0;
+        if (warp_in_group == 0) {  // the sub-rings' heads: what the round's last token consumed of each
+            const int64_t last = min((round + 1) * warps * S, static_cast<int64_t>(count)) - 1;
+            const int receipt = lane < V ? send_nvl_head[(first + last) * V + lane] : 0;
             if (lane < V && lane != me) {
                 const int64_t consumed = receipt >= 0 ? receipt + 1 : -receipt - 1;
                 ptx::st_relaxed_sys_u64(&mine.ring_words(c, lane).combine_head[n],
                                         static_cast<uint64_t>(nvl_base + consumed));
             }
-            ptx::fence_acq_rel_gpu();
-            put = put_chunks_until(call, n, put, base + done, done == count, lane);
         }
     }
     if (warp_in_group == 0 && lane == 0) ring.tail = static_cast<uint64_t>(call.chunks.start(base + count));

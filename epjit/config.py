@@ -152,11 +152,11 @@ def internode_config(num_ranks: int, num_nvl_ranks: int) -> Config:
     """Defaults across NVLink nodes (dispatch and combine alike): 24 SMs (12 channels of two blocks), RDMA chunks of
     8 messages in rings of 128 slots (16 chunks: a put per chunk keeps several in flight while a ring holds a
     window of senders' tokens beyond two chunks), and NVLink rings of DeepEP's 288 slots (more where many nodes cut
-    combine's sub-rings smaller than a chunk of 8 rows plus what a forwarding group waits on)."""
+    combine's sub-rings smaller than a chunk of 8 rows plus a forwarding group's round of chunks)."""
     num_ranks, num_nvl_ranks = check_int(num_ranks, "num_ranks", 1), check_int(num_nvl_ranks, "num_nvl_ranks", 1)
     nodes = num_ranks // num_nvl_ranks
     spec = internode.internode_spec(nodes, num_nvl_ranks)
-    return Config(24, 8, max(288, nodes * (8 + spec.combine_group_warps)), 8, 128)
+    return Config(24, 8, max(288, nodes * (8 + 8 * spec.combine_group_warps)), 8, 128)
 
 
 def _several_nodes(num_ranks: int, num_nvl_ranks: int | None) -> bool:

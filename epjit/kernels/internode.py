@@ -50,10 +50,11 @@ class InternodeSpec(KernelSpec):
     """cuda_src/internode.cu's dispatch and combine: two blocks a channel, warps in roles (the fields past the
     block size; :func:`internode_spec` gives the defaults).
 
-    Dispatch, sending block: dispatch_send_warps senders, one RDMA coordinator, dispatch_recv_warps receivers for
-    each other rank of the node; forwarding block: forward_warps a destination rank of the node, one coordinator.
-    Combine, sending block: combine_send_warps NVLink senders for each other rank of the node, one coordinator,
-    readers the rest; forwarding block: combine_forward_groups groups of the warps, a home node each (in turn)."""
+    Dispatch, sending block: dispatch_send_warps senders (each stages and puts its own chunks) and
+    dispatch_recv_warps receivers for each other rank of the node; forwarding block: forward_warps for each
+    destination rank of the node and a coordinator. Combine, sending block: combine_send_warps NVLink senders for
+    each other rank of the node, a coordinator, readers the rest; forwarding block: combine_forward_groups groups
+    of the warps, a home node each (in turn)."""
 
     num_nodes: int
     num_nvl_ranks: int
@@ -94,9 +95,9 @@ class InternodeSpec(KernelSpec):
         warps, peers = self.num_threads // 32, self.num_nvl_ranks - 1
         if self.num_threads % 32:
             raise ValueError(f"InternodeSpec: {self.num_threads} threads is not whole warps")
-        if self.dispatch_send_warps < 1 or self.dispatch_send_warps + 1 + peers * self.dispatch_recv_warps > warps \
-                or (peers and self.dispatch_recv_warps < 1) or 1 + peers > 15:
-            raise ValueError(f"{warps} warps cannot hold {self.dispatch_send_warps} senders, a coordinator and "
+        if self.dispatch_send_warps < 1 or self.dispatch_send_warps + peers * self.dispatch_recv_warps > warps \
+                or (peers and self.dispatch_recv_warps < 1) or peers > 14:
+            raise ValueError(f"{warps} warps cannot hold {self.dispatch_send_warps} senders and "
                              f"{self.dispatch_recv_warps} receivers for each of {peers} node peers")
         if self.forward_warps < 1 or self.num_nvl_ranks * self.forward_warps + 1 > warps:
             raise ValueError(f"{warps} warps cannot hold {self.forward_warps} forwarders for each of "
@@ -126,7 +127,7 @@ def default_roles(num_nodes: int, num_nvl_ranks: int, num_threads: int = NUM_THR
     warps, peers = num_threads // 32, num_nvl_ranks - 1
     recv = {0: 0, 1: 6, 2: 4, 3: 3}.get(peers, 2)
     combine_send = 0 if peers == 0 else min(4, 8 // peers)
-    return {"dispatch_send_warps": warps - 1 - peers * recv, "dispatch_recv_warps": recv,
+    return {"dispatch_send_warps": warps - peers * recv, "dispatch_recv_warps": recv,
             "forward_warps": (warps - 1) // num_nvl_ranks, "combine_send_warps": combine_send,
             "combine_forward_groups": min(num_nodes, 12)}
 
@@ -205,9 +206,9 @@ def config_problems(num_sms: int, nvl_chunk_send: int, nvl_chunk_recv: int, rdma
     if nvl_chunk_recv < DISPATCH_BATCH + 1:
         problems.append(f"nvl_chunk_recv={nvl_chunk_recv} must be >= {DISPATCH_BATCH + 1} (a forwarding batch and "
                         "a meta message)")
-    sub = nvl_chunk_recv // num_nodes
-    if sub < nvl_chunk_send + spec.combine_group_warps:
+    sub, round_rows = nvl_chunk_recv // num_nodes, spec.combine_group_warps * rdma_chunk_send
+    if spec.num_nvl_ranks > 1 and sub < nvl_chunk_send + round_rows:  # (one rank a node uses no NVLink ring)
         problems.append(f"nvl_chunk_recv // nodes = {nvl_chunk_recv} // {num_nodes} = {sub} must be >= "
-                        f"nvl_chunk_send + {spec.combine_group_warps} (a combine sub-ring holds a chunk beyond the "
-                        "rows a forwarding group waits on)")
+                        f"nvl_chunk_send + {round_rows} (a combine sub-ring holds a chunk beyond the rows a "
+                        f"forwarding group's round takes: {spec.combine_group_warps} warps x rdma_chunk_send)")
     return problems

@@ -101,6 +101,10 @@ class InternodeHandle(DispatchHandle):
     def rank_prefix_matrix(self) -> Any:
         return self.rank_prefix_ints
 
+    def array(self, name: str) -> Any:
+        """One of the handle's int arrays (HANDLE_INTS), as a CuPy view."""
+        return self.ints[_AT[name]].view()
+
     @property
     def recv_rank_prefix(self) -> Any:
         return self.ints[_AT["recv_rank_prefix"]].view()

@@ -48,7 +48,7 @@ def small_config(R: int, sms: int):
     from epjit.kernels.internode import internode_spec
 
     nodes = R // NVL_RANKS
-    nvl = max(40, nodes * (3 + internode_spec(nodes, NVL_RANKS).combine_group_warps))
+    nvl = max(40, nodes * 3 * (1 + internode_spec(nodes, NVL_RANKS).combine_group_warps))
     return epjit.Config(sms + sms % 2, 3, nvl, 3, 45)
 
 
@@ -157,6 +157,8 @@ def run_case(
         same("recv_x_scales", to_numpy(d.x_scales)[rows], ref[rank].x_scales[rows])
     same("recv_topk_idx", to_numpy(d.topk_idx)[rows], ref[rank].topk_idx[rows])
     same("recv_topk_weights", to_numpy(d.topk_weights)[rows], ref[rank].topk_weights[rows])
+    if NVL_RANKS is not None:
+        check_rdma_pairs(d.handle, idxs, num_experts, rank, R)
     if worst:
         assert got_x.shape[0] == worst, (got_x.shape, worst)
         same("padding topk_idx", to_numpy(d.topk_idx)[m:], np.full((worst - m, topk), -1, np.int64))
@@ -193,6 +195,18 @@ def run_case(
     same("combined_x", to_numpy(c.x), c_ref[rank].x)
     same("combined_topk_weights", to_numpy(c.topk_weights), c_ref[rank].topk_weights)
     return {"recv": m}
+
+
+def check_rdma_pairs(handle, idxs: list[np.ndarray], num_experts: int, rank: int, R: int) -> None:
+    """Each token crossed to each node once: the tokens this rank forwarded from each node's rail peer are that
+    peer's (token, this node) pairs, so the RDMA leg carried pairs x message bytes (and a meta message a stream)."""
+    V = NVL_RANKS
+    node, local = rank // V, rank % V
+    got = cupy.asnumpy(handle.array("recv_rdma_channel"))[:, :, 1].sum(axis=1).tolist()
+    want = [int(reference.get_dispatch_layout(idxs[n * V + local], num_experts, R, V).num_tokens_per_rdma_rank[node])
+            for n in range(R // V)]
+    if got != want:
+        raise Mismatch(f"tokens forwarded from each node {got} != their (token, node {node}) pairs {want}")
 
 
 def run_ahead_counts(buf, rank: int, R: int) -> None:
