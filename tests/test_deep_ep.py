@@ -420,9 +420,16 @@ def test_normal_calls_on_a_low_latency_only_buffer_say_what_is_missing(made):
     b = Buffer(object(), 0, 1 << 20, low_latency_mode=True)
     with pytest.raises(ArgumentError, match="no NVLink buffer for normal mode"):
         b.get_dispatch_layout(_ints(7, 4), 16)
-    for call in (b.internode_dispatch, b.internode_combine):
-        with pytest.raises(NotImplementedError, match="no normal mode across NVLink nodes yet"):
-            call()
+    with pytest.raises(ArgumentError, match="no NVLink buffer for normal mode"):
+        b.internode_dispatch(np.zeros((5, 16)), handle=NormalHandle("h"))
+    with pytest.raises(ArgumentError, match="no NVLink buffer for normal mode"):
+        b.internode_combine(np.zeros((5, 16)), NormalHandle("h"))
+
+
+def test_internode_calls_are_dispatch_and_combine():
+    """DeepEP's dispatch() calls internode_dispatch across nodes; epjit's Buffer chooses its kernels itself."""
+    assert Buffer.internode_dispatch is Buffer.dispatch and Buffer.internode_combine is Buffer.combine
+    assert inspect.signature(Buffer.internode_dispatch) == inspect.signature(Buffer.dispatch)
 
 
 # ---------------------------------------------------------------------------------------------------- low latency

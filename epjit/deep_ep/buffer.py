@@ -125,8 +125,9 @@ def _epjit_handle(handle: Any, kind: type, call: str) -> Any:
 
 
 def _default_epjit_config(kind: str, num_ranks: int) -> EpjitConfig:
-    """epjit's default config for the rank count, or its plain defaults where epjit's normal mode cannot run that
-    many ranks (more than one NVLink node: the size hints still answer, and the Buffer refuses normal mode)."""
+    """epjit's default config for the rank count, or its plain defaults where epjit's intranode kernels cannot run
+    that many ranks (more than 8: DeepEP's static config calls do not know the node size; the plain defaults satisfy
+    the internode kernels' rules up to 8 nodes)."""
     try:
         return (epjit_dispatch_config if kind == "dispatch" else epjit_combine_config)(num_ranks)
     except ArgumentError:
@@ -340,11 +341,10 @@ class Buffer:
                            async_finish=async_finish)
         return c.x, c.topk_weights, overlap_of(c.event, async_finish)
 
-    def internode_dispatch(self, *args: Any, **kwargs: Any) -> Any:
-        raise _unsupported("internode_dispatch", "epjit has no normal mode across NVLink nodes yet")
-
-    def internode_combine(self, *args: Any, **kwargs: Any) -> Any:
-        raise _unsupported("internode_combine", "epjit has no normal mode across NVLink nodes yet")
+    # DeepEP's dispatch() and combine() call these across NVLink nodes; epjit's Buffer picks its kernel family from
+    # its group itself, so they are the same calls (same signatures and tuples as DeepEP's).
+    internode_dispatch = dispatch
+    internode_combine = combine
 
     # ------------------------------------------------------------------------------------------------ low latency
 
