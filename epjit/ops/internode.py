@@ -30,10 +30,6 @@ from ..kernels.internode import (
 )
 from ..memory import PeerMemory
 from .intranode import (
-    FLAG_FP8,
-    FLAG_TOPK,
-    FLAG_WEIGHTS,
-    FLAG_WORST_TOKENS,
     META_INTS,
     CombinePlan,
     DispatchHandle,
@@ -42,6 +38,7 @@ from .intranode import (
     Ints,
     LayoutInputs,
     RowEstimate,
+    call_flags,
     expert_counts_at,
 )
 from .profile import Profile
@@ -138,8 +135,7 @@ class Internode(Intranode):
                       num_worst_tokens: int, expert_alignment: int, cached: bool) -> DispatchPlan:
         """What a dispatch of this shape needs (its arguments and config already checked by the Buffer)."""
         num_scales = hidden // 128 if fp8 else 0
-        flags = (FLAG_FP8 if fp8 else 0) | (FLAG_WEIGHTS if with_weights else 0) | (FLAG_TOPK if with_idx else 0) | \
-            (FLAG_WORST_TOKENS if num_worst_tokens > 0 else 0)
+        flags = call_flags(fp8, with_weights, with_idx, num_worst_tokens)
         module = self.module(spec)
         channels, table = config.num_sms // 2, self.mem.table_ptr
         notify = self.notify_module.spec.args(
@@ -151,11 +147,7 @@ class Internode(Intranode):
             num_scales=num_scales, num_topk=num_topk, num_experts=num_experts, expert_cap=self.expert_cap,
             num_channels=channels, rdma_slots=config.rdma_chunk_recv, rdma_chunk=config.rdma_chunk_send,
             nvl_slots=config.nvl_chunk_recv, num_worst_tokens=num_worst_tokens)
-        out = self.outputs
-        new_outputs = (out.row_allocator(kind, hidden, out.dtype(kind, "float8_e4m3fn" if fp8 else "bfloat16")),
-                       out.row_allocator(kind, num_scales, out.dtype(kind, "float32")) if fp8 else None,
-                       out.row_allocator(kind, num_topk, out.dtype(kind, "int64")) if with_idx else None,
-                       out.row_allocator(kind, num_topk, out.dtype(kind, "float32")) if with_weights else None)
+        new_outputs = self._new_outputs(kind, hidden, num_scales, num_topk, fp8, with_idx, with_weights)
         # num_channels: the Config's SMs, as intranode's (combine's configs are checked against it); the kernels
         # run num_sms / 2 channels of two blocks each.
         return DispatchPlan(framework, kind, num_tokens, hidden, num_topk, num_scales, num_experts, fp8, with_idx,

@@ -73,6 +73,12 @@ def host_record_bytes(num_ranks: int, num_experts: int, forwarded: bool = False)
     return max(4 * (expert_counts_at(num_ranks, forwarded) + num_experts // num_ranks), HOST_RECORD_BYTES)
 
 
+def call_flags(fp8: bool, with_weights: bool, with_idx: bool, num_worst_tokens: int) -> int:
+    """The flags a rank announces in its meta for a dispatch of this kind (kFlag*)."""
+    return (FLAG_FP8 if fp8 else 0) | (FLAG_WEIGHTS if with_weights else 0) | (FLAG_TOPK if with_idx else 0) | \
+        (FLAG_WORST_TOKENS if num_worst_tokens > 0 else 0)
+
+
 def describe_meta(name: str, value: int) -> str:
     if name != "flags":
         return str(value)
@@ -440,8 +446,7 @@ class Intranode:
                       num_worst_tokens: int, expert_alignment: int, cached: bool) -> DispatchPlan:
         """What a dispatch of this shape needs (its arguments already checked by the Buffer)."""
         num_scales = hidden // 128 if fp8 else 0
-        flags = (FLAG_FP8 if fp8 else 0) | (FLAG_WEIGHTS if with_weights else 0) | (FLAG_TOPK if with_idx else 0) | \
-            (FLAG_WORST_TOKENS if num_worst_tokens > 0 else 0)
+        flags = call_flags(fp8, with_weights, with_idx, num_worst_tokens)
         module = self.module(spec)
         channels = config.num_channels
         table = self.mem.table_ptr
@@ -454,16 +459,21 @@ class Intranode:
             x_row_int4=hidden * (1 if fp8 else 2) // 16, num_scales=num_scales, num_topk=num_topk,
             num_experts=num_experts, num_channels=channels, num_slots=config.nvl_chunk_recv,
             num_max_send_tokens=config.nvl_chunk_send, num_worst_tokens=num_worst_tokens)
-        out = self.outputs
-        new_outputs = (out.row_allocator(kind, hidden, out.dtype(kind, "float8_e4m3fn" if fp8 else "bfloat16")),
-                       out.row_allocator(kind, num_scales, out.dtype(kind, "float32")) if fp8 else None,
-                       out.row_allocator(kind, num_topk, out.dtype(kind, "int64")) if with_idx else None,
-                       out.row_allocator(kind, num_topk, out.dtype(kind, "float32")) if with_weights else None)
+        new_outputs = self._new_outputs(kind, hidden, num_scales, num_topk, fp8, with_idx, with_weights)
         return DispatchPlan(framework, kind, num_tokens, hidden, num_topk, num_scales, num_experts, fp8, with_idx,
                             with_weights, num_worst_tokens, channels, flags, new_outputs,
                             (hidden, num_scales, num_topk, num_topk),
                             expert_counts_at(self.num_ranks) + (0 if cached else num_experts // self.num_ranks),
                             notify, dispatch, module)
+
+    def _new_outputs(self, kind: str, hidden: int, num_scales: int, num_topk: int, fp8: bool, with_idx: bool,
+                     with_weights: bool) -> tuple[Callable[[int], Any] | None, ...]:
+        """Allocators by rows of recv_x, recv_x_scales, recv_topk_idx and recv_topk_weights (None: not an output)."""
+        out = self.outputs
+        return (out.row_allocator(kind, hidden, out.dtype(kind, "float8_e4m3fn" if fp8 else "bfloat16")),
+                out.row_allocator(kind, num_scales, out.dtype(kind, "float32")) if fp8 else None,
+                out.row_allocator(kind, num_topk, out.dtype(kind, "int64")) if with_idx else None,
+                out.row_allocator(kind, num_topk, out.dtype(kind, "float32")) if with_weights else None)
 
     def combine_plan(self, framework: str, kind: str, spec: IntranodeSpec, config: Config, handle: DispatchHandle,
                      with_weights: bool) -> CombinePlan:
