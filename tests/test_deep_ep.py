@@ -178,6 +178,23 @@ def test_size_hints_answer_for_epjits_kernels():
         Config().get_nvl_buffer_size_hint(0, 8)
 
 
+def test_size_hints_across_nodes_assume_deepeps_nodes_of_eight():
+    """Past 8 ranks DeepEP's static hints assume nodes of 8; epjit's answer for its internode kernels with the same
+    config is what a Buffer of those sizes needs, and the heap stays under DeepEP's own hint."""
+    from epjit.kernels.internode import deepep_rdma_size_hint
+
+    for ranks in (16, 32, 64):
+        for config in (Config(), Config(24, 6, 256, 6, 128), Config(24, 8, 288, 8, 128)):
+            nvl, rdma = config.epjit.internode_bytes(ranks, 8, 7168, 32, 1024 * ranks)
+            assert config.get_nvl_buffer_size_hint(7168 * 2, ranks) == nvl
+            assert config.get_rdma_buffer_size_hint(7168 * 2, ranks) == rdma > 0
+            need = config.epjit.internode_bytes(ranks, 8, 7168, 8, 256)
+            assert nvl >= need[0] and rdma >= need[1]  # enough for top-8 of 256
+            assert rdma <= deepep_rdma_size_hint(config.num_sms // 2, ranks // 8, config.epjit.rdma_chunk_recv, 7168)
+    with pytest.raises(ArgumentError, match="nodes of 8 ranks, which do not divide it"):
+        Config().get_rdma_buffer_size_hint(7168 * 2, 12)
+
+
 def test_default_configs_are_epjits_with_buffer_num_sms(monkeypatch):
     assert Buffer.num_sms == 24
     for ranks in (2, 4, 8):

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from ..config import MAX_CHANNELS
 from ..config import Config as EpjitConfig
-from ..errors import ArgumentTypeError, check_int, with_rank
+from ..errors import ArgumentError, ArgumentTypeError, check_int, with_rank
 from ..kernels.intranode import intranode_min_nvl_bytes
 
 # What get_nvl_buffer_size_hint assumes of the calls it sizes for (it is not told): the most top-k columns epjit's
 # normal mode takes, and local experts a rank (their per-expert counts are the only part that grows with them).
 HINT_MAX_TOPK = 32
 HINT_MAX_LOCAL_EXPERTS = 1024
+NVLINK_NODE_RANKS = 8  # DeepEP's NUM_MAX_NVL_PEERS: its static hints assume nodes of this many ranks
 
 
 class Config:
@@ -25,7 +26,8 @@ class Config:
 
     ``num_sms`` is epjit's ``Config.num_sms`` (channels, one SM each); the NVLink chunks are epjit's
     ``nvl_chunk_send`` / ``nvl_chunk_recv`` (epjit needs recv >= send + 23, DeepEP only recv > send); the RDMA
-    chunks are kept for the internode kernels epjit does not have yet. ``.epjit`` is the epjit Config.
+    chunks are epjit's ``rdma_chunk_send`` / ``rdma_chunk_recv`` across NVLink nodes (messages a put, ring slots).
+    ``.epjit`` is the epjit Config.
     """
 
     __slots__ = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
@@ -59,20 +61,34 @@ class Config:
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """num_nvl_bytes that epjit's normal dispatch (bf16 or FP8) and combine of rows of ``hidden_bytes`` bytes
         (2 a bf16 channel) need on ``num_ranks`` ranks with this config, for up to HINT_MAX_TOPK top-k columns and
-        HINT_MAX_LOCAL_EXPERTS local experts (DeepEP's own hint assumes an upper bound the same way)."""
-        hidden_bytes = check_int(hidden_bytes, "hidden_bytes", 1)
-        num_ranks = check_int(num_ranks, "num_ranks", 1)
-        hidden = -(-hidden_bytes // 2)  # bf16 channels: FP8 rows are smaller, and nvl_bytes sizes both
-        need = max(self.epjit.nvl_bytes(num_ranks, hidden, HINT_MAX_TOPK, HINT_MAX_LOCAL_EXPERTS * num_ranks, fp8)
-                   for fp8 in (False, True))
+        HINT_MAX_LOCAL_EXPERTS local experts (DeepEP's own hint assumes an upper bound the same way). Past
+        NVLINK_NODE_RANKS ranks, as DeepEP, nodes of that many ranks: what the internode kernels need of it."""
+        hidden, num_ranks = _hint_sizes(hidden_bytes, num_ranks)
+        experts = HINT_MAX_LOCAL_EXPERTS * num_ranks
+        if num_ranks > NVLINK_NODE_RANKS:
+            return self.epjit.internode_bytes(num_ranks, NVLINK_NODE_RANKS, hidden, HINT_MAX_TOPK, experts)[0]
+        need = max(self.epjit.nvl_bytes(num_ranks, hidden, HINT_MAX_TOPK, experts, fp8) for fp8 in (False, True))
         return max(need, intranode_min_nvl_bytes(num_ranks, MAX_CHANNELS))
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """0: epjit's normal mode runs inside one NVLink node and uses no RDMA buffer (DeepEP's hint is 0 there too;
-        across nodes a normal-mode Buffer is refused until epjit has internode kernels)."""
-        check_int(hidden_bytes, "hidden_bytes", 1)
-        check_int(num_ranks, "num_ranks", 1)
-        return 0
+        """num_rdma_bytes of epjit's normal mode: 0 inside one NVLink node (as DeepEP's), and past
+        NVLINK_NODE_RANKS ranks, as DeepEP, nodes of that many: what the internode kernels need of the symmetric
+        heap with this config (under DeepEP's own hint for it: docs/deep_ep.md)."""
+        hidden, num_ranks = _hint_sizes(hidden_bytes, num_ranks)
+        if num_ranks <= NVLINK_NODE_RANKS:
+            return 0
+        return self.epjit.internode_bytes(num_ranks, NVLINK_NODE_RANKS, hidden, HINT_MAX_TOPK,
+                                          HINT_MAX_LOCAL_EXPERTS * num_ranks)[1]
+
+
+def _hint_sizes(hidden_bytes: int, num_ranks: int) -> tuple[int, int]:
+    """bf16 channels of rows of hidden_bytes (FP8 rows are smaller, and the sizes hold both), and the ranks."""
+    hidden_bytes = check_int(hidden_bytes, "hidden_bytes", 1)
+    num_ranks = check_int(num_ranks, "num_ranks", 1)
+    if num_ranks > NVLINK_NODE_RANKS and num_ranks % NVLINK_NODE_RANKS:
+        raise ArgumentError(with_rank(f"num_ranks={num_ranks}: past one node DeepEP's hints assume nodes of "
+                                      f"{NVLINK_NODE_RANKS} ranks, which do not divide it"))
+    return -(-hidden_bytes // 2), num_ranks
 
 
 def epjit_config(config: object) -> EpjitConfig | None:
