@@ -5,18 +5,18 @@
 //             fold them, hand each node peer its share over NVLink, barrier of the node, then the verdict (every
 //             rank sees every rank's meta, rows and forwarded tokens, so all refuse together), the prefix sums and
 //             the host record. Blocks 1..R and R+1..R+N: my tokens of each channel for each rank and each node.
-//   dispatch  two blocks a channel (claimed slot s: channel s / 2). The sending block: senders stage each token
-//             once for every node it goes to, after a meta message; a coordinator warp puts whole chunks with
-//             signals (my own node: flags set in place); receiver groups drain the NVLink rings of my node peers'
-//             forwarders into recv_x. The forwarding block: a group a node peer j takes the messages with bit j
-//             from every node's ring into the NVLink ring (c, me -> j) in j's buffer (j = me: into recv_x); a
-//             coordinator warp returns the slowest group's progress to the writers as heads.
+//   dispatch  two blocks a channel (claimed slot s: channel s / 2). The sending block: every sender warp stages
+//             the tokens of its own chunks of each node's stream (a meta message first) and puts each chunk with
+//             its flag once staged (my own node: the flag set in place); receiver groups drain the NVLink rings of
+//             my node peers' forwarders into recv_x. The forwarding block: a group a node peer j takes the messages
+//             with bit j from every node's ring into the NVLink ring (c, me -> j) in j's buffer (j = me: into
+//             recv_x); a coordinator warp returns the slowest group's progress to the writers as heads.
 //   combine   the same rings backwards. The sending block: NVLink senders return the rows each node peer forwarded
 //             to me, in the sub-ring of the rows' home node; readers at home sum the nodes' partials; a coordinator
 //             returns heads. The forwarding block: a group a home node sums, for each token it forwarded, the rows
-//             of its node in float32 and puts the bf16 partial into the RDMA ring back home, chunk by chunk.
+//             of its node in float32 and puts the bf16 partial into the RDMA ring back home, each warp its chunks.
 //
-// Memory ordering. RDMA: staging stores -> the group's barrier -> (coordinator) fence -> put with signal, which
+// Memory ordering. RDMA: staging stores by a warp -> __syncwarp -> fence -> that warp's put with signal, which
 // NVSHMEM delivers after the data; the reader's ld.acquire.sys of the chunk flag -> its group's barrier -> the
 // slots. Heads are signal ADDs sent once the reads returned. NVLink: data stores -> the group's barrier ->
 // st.release.sys of the tail; ld.acquire.sys of the tail -> barrier -> the slots; heads relaxed after the reads
