@@ -25,6 +25,7 @@ from .config import (
     check_internode_need,
     check_normal_sizes,
     config_key,
+    expert_cap,
     get_combine_config,
     get_dispatch_config,
     normal_size_hint,
@@ -104,7 +105,7 @@ class Buffer:
                 self._layout = Layout(self._streams, self._outputs, group.device, group.size, group.num_nvl_ranks)
                 args = (self.mem, self._streams, self._outputs, self._profile, group.device, self.num_experts)
                 self._normal_ops = Intranode(*args) if group.num_nvl_ranks == group.size else \
-                    Internode(*args, max(self.num_experts, 4096))
+                    Internode(*args, expert_cap(self.num_experts))
                 # what a call without a config gets
                 self._dispatch_config = get_dispatch_config(self.num_ranks, num_nvl_ranks=group.num_nvl_ranks)
                 self._combine_config = get_combine_config(self.num_ranks, num_nvl_ranks=group.num_nvl_ranks)
