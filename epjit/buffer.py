@@ -192,8 +192,9 @@ class Buffer:
         """num_nvl_bytes for normal-mode dispatch and combine of these sizes with the default (or given) config;
         across NVLink nodes (num_nvl_ranks < num_ranks) what the internode kernels need of it."""
         hint = normal_size_hint(num_ranks, hidden, num_topk, num_experts, config, num_nvl_ranks)  # checks sizes
-        return hint if hint and num_nvl_ranks not in (None, num_ranks) else \
-            max(hint, intranode_min_nvl_bytes(int(num_ranks), MAX_CHANNELS))
+        if num_nvl_ranks is not None and num_nvl_ranks != num_ranks:
+            return hint  # across nodes: the internode kernels' layout, control words included
+        return max(hint, intranode_min_nvl_bytes(int(num_ranks), MAX_CHANNELS))
 
     @staticmethod
     def get_rdma_size_hint(num_ranks: int, hidden: int, num_topk: int = 8, num_experts: int = 256,

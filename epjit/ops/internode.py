@@ -217,11 +217,14 @@ class Internode(Intranode):
                          outs: tuple[Any, ...]) -> None:
         comm, address, kind = self.streams.comm_ptr, self.outputs.address, plan.kind
         p = {name: part.ptr for name, part in zip(HANDLE_INTS, ints, strict=True)}
+        # A replay's counts are its handle's saved copy (another allocation than this call's arrays): notify reads
+        # them and keeps no copy of its own.
+        replay = ints[_AT["saved_counts"]].owner is not ints[0].owner
         notify = plan.notify_args.set(
             recv_capacity=capacity[0], fwd_capacity=capacity[1], channel_prefix_matrix=p["channel_prefix_matrix"],
             rdma_channel_prefix=p["rdma_channel_prefix"], recv_rank_prefix=p["recv_rank_prefix"],
             fwd_node_prefix=p["fwd_node_prefix"], call_status=p["status"],
-            saved_counts=p["saved_counts"] if plan.notify_args["num_tokens_per_rank"] != p["saved_counts"] else 0)
+            saved_counts=0 if replay else p["saved_counts"])
         self.notify_module.launch(notify, 1 + self.num_ranks + self.num_nodes, NOTIFY_THREADS, stream=comm)
         dispatch = plan.dispatch_args.set(
             channel_prefix_matrix=p["channel_prefix_matrix"], rdma_channel_prefix=p["rdma_channel_prefix"],
