@@ -10,6 +10,8 @@
 #   low-latency  two low-latency cycles: dispatch and combine in bf16 and FP8 (NVLink stores; NVSHMEM heap)
 #   ll-puts      the low-latency cycles again through NVSHMEM puts (EPJIT_LL_FORCE_PUTS=1)
 #   peer-memory  tests/ranks/peer_memory.py: the NVLink barrier and exchange, NVSHMEM put + signal
+#   internode    two internode cycles (soak_buffers.py --kinds internode) on 2 ranks as 2 NVLink nodes of 1: the
+#                internode notify, dispatch and combine (always 2 ranks: one rank is no pair of nodes)
 # The cases on the NVSHMEM heap start NVSHMEM, whose initialisation under compute-sanitizer ran for minutes
 # without finishing on an H100 (NVSHMEM 3.8): SANITIZE_CASE_TIMEOUT (seconds, default 900) bounds each case,
 # and a case cut short prints "timeout" in the errors column.
@@ -17,7 +19,8 @@
 # API calls that fail on purpose, such as cuda-python probing for driver entry points, are not reported) and the
 # exit code; logs under $OUT, where the soak's --progress lines show how far an instrumented run got. Exits 1 when a
 # case reported errors, failed or ran out of time. Instrumented spin-waits are slow, so EPJIT_TIMEOUT_S defaults
-# to 300 here. Needs compute-sanitizer (CUDA toolkit) on PATH.
+# to 300 here. Needs compute-sanitizer (CUDA toolkit) on PATH. SANITIZE_FLAGS adds flags to every compute-sanitizer
+# command, SANITIZE_TAG names a run's logs apart (runs side by side).
 set -uo pipefail
 OUT=${OUT:-/tmp/epjit-out}
 mkdir -p "$OUT"
@@ -25,32 +28,38 @@ tools=("$@")
 [ ${#tools[@]} -gt 0 ] || tools=(memcheck racecheck synccheck initcheck)
 export EPJIT_TIMEOUT_S=${EPJIT_TIMEOUT_S:-300} PYTHONUNBUFFERED=1
 ranks=${SANITIZE_RANKS:-1}
-runner=(python3)
-if [ "$ranks" -gt 1 ]; then
-  runner=(python3 -m epjit.launch -n "$ranks")
-  [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge "$ranks" ] || export EPJIT_SHARE_GPUS=1
-fi
+runner() {  # the command that starts a case's ranks (this many)
+  if [ "$1" -gt 1 ]; then
+    echo python3 -m epjit.launch -n "$1"
+  else
+    echo python3
+  fi
+}
+[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge "$(( ranks > 2 ? ranks : 2 ))" ] || export EPJIT_SHARE_GPUS=1
 declare -A CASES=(
   [normal]="scripts/soak_buffers.py --kinds normal --cycles 2 --warmup 0 --progress"
   [low-latency]="scripts/soak_buffers.py --kinds low_latency --cycles 2 --warmup 0 --progress"
   [ll-puts]="scripts/soak_buffers.py --kinds low_latency --cycles 2 --warmup 0 --progress"
   [peer-memory]="tests/ranks/peer_memory.py --rounds 2"
+  [internode]="scripts/soak_buffers.py --kinds internode --num-nvl-ranks 1 --cycles 2 --warmup 0 --progress"
 )
-names=${SANITIZE_CASES:-normal low-latency ll-puts peer-memory}
+names=${SANITIZE_CASES:-normal low-latency ll-puts peer-memory internode}
 limit=${SANITIZE_CASE_TIMEOUT:-900}
 # Compile every module first, outside the sanitizer: what it checks is the kernels, not NVRTC.
-python3 -m epjit.jit --check > "$OUT/sanitize-jit.log" 2>&1 || { echo "jit --check failed"; exit 1; }
+python3 -m epjit.jit --check > "$OUT/sanitize-jit${SANITIZE_TAG:+-$SANITIZE_TAG}.log" 2>&1 || { echo "jit --check failed"; exit 1; }
 failed=0
 printf "%-11s %-12s %7s %5s %7s\n" tool case errors rc seconds
 for tool in "${tools[@]}"; do
   for name in $names; do
-    log="$OUT/sanitize-$tool-$name.log"
+    log="$OUT/sanitize-$tool-$name${SANITIZE_TAG:+-$SANITIZE_TAG}.log"
     settings=()
     [ "$name" = ll-puts ] && settings=(EPJIT_LL_FORCE_PUTS=1)
+    case_ranks=$ranks
+    [ "$name" = internode ] && case_ranks=2
     start=$(date +%s)
     # shellcheck disable=SC2086  # the case's arguments split on purpose
     timeout "$limit" env "${settings[@]}" compute-sanitizer --tool "$tool" --target-processes all --print-limit 20 \
-      --report-api-errors no "${runner[@]}" ${CASES[$name]} > "$log" 2>&1
+      --report-api-errors no ${SANITIZE_FLAGS:-} $(runner "$case_ranks") ${CASES[$name]} > "$log" 2>&1
     rc=$?
     errors=$(grep -ho "ERROR SUMMARY: [0-9]*" "$log" | awk '{s += $3} END {print s + 0}')
     [ "$rc" -eq 124 ] && errors=timeout

@@ -3,7 +3,7 @@ process holds before and after. Everything must come back: a server that makes a
 training job that remakes them when the parallel layout changes, would otherwise run out.
 
     python -m epjit.launch -n 2 scripts/soak_buffers.py [--cycles 1000] [--warmup 20] [--kinds normal,low_latency]
-                                                          [--json FILE] [--check]
+                                                          [--num-nvl-ranks V] [--json FILE] [--check]
 
 For each kind, after ``--warmup`` cycles (first loads, CUDA's lazy allocations, allocator pools growing to their
 working size), it reads on every rank: the GPU's free memory (after emptying torch's and CuPy's caches), epjit's
@@ -13,10 +13,13 @@ resident memory; then runs ``--cycles`` more and reads them again. Prints a tabl
 with ``--check`` exits 1 when any of them but resident memory changed (resident memory moves with Python's own
 allocator; it is reported, not judged).
 
-Kinds: ``normal`` (get_dispatch_layout, dispatch, combine on a normal-mode Buffer) and ``low_latency``
+Kinds: ``normal`` (get_dispatch_layout, dispatch, combine on a normal-mode Buffer inside one NVLink node),
+``internode`` (the same across NVLink nodes: a normal-mode Buffer with its NVSHMEM heap, on a group made with
+``--num-nvl-ranks V`` smaller than the rank count, e.g. 2 ranks as 2 nodes of 1) and ``low_latency``
 (low_latency_dispatch and low_latency_combine), 128 tokens x 2048, top-4 of 32 experts with 10% holes, torch
-tensors, bf16 on even cycles and FP8 on odd ones: two cycles run every kernel of both families (what
-scripts/sanitize.sh runs under compute-sanitizer).
+tensors, bf16 on even cycles and FP8 on odd ones: two cycles run every kernel of a family (what scripts/sanitize.sh
+runs under compute-sanitizer). Without ``--num-nvl-ranks`` the kinds are normal and low_latency; with it, internode
+and low_latency (a normal-mode Buffer of a group across nodes is an internode one).
 """
 
 from __future__ import annotations
@@ -95,22 +98,27 @@ def _inputs(group: epjit.Group, cycle: int) -> tuple[Any, Any, Any]:
 
 
 def normal_cycle(group: epjit.Group, cycle: int) -> None:
-    """Layout, dispatch (bf16 on even cycles, FP8 with scales on odd ones), combine with weights."""
+    """Layout, dispatch (bf16 on even cycles, FP8 with scales on odd ones), combine with weights; across NVLink
+    nodes (the group's num_nvl_ranks below its size) the Buffer also has its symmetric heap: the internode kind."""
     x, idx, w = _inputs(group, cycle)
     if cycle % 2:
         blocks = x.float().view(TOKENS, HIDDEN // 128, 128)
         scales = blocks.abs().amax(dim=2).clamp(min=1e-4) / 448.0
         x = ((blocks / scales[:, :, None]).view(TOKENS, HIDDEN).to(torch.float8_e4m3fn), scales)
-    hint = epjit.Buffer.get_normal_size_hint(group.size, HIDDEN, TOPK, EXPERTS)
-    with epjit.Buffer(group, num_nvl_bytes=hint) as buf:
-        step(f"normal {cycle}: Buffer made")
+    R, V = group.size, group.num_nvl_ranks
+    kind = "normal" if V == R else "internode"
+    rdma = epjit.Buffer.get_rdma_size_hint(R, HIDDEN, TOPK, EXPERTS, num_nvl_ranks=V) if V < R else 0
+    with epjit.Buffer(group, num_nvl_bytes=epjit.Buffer.get_normal_size_hint(R, HIDDEN, TOPK, EXPERTS,
+                                                                             num_nvl_ranks=V),
+                      num_rdma_bytes=rdma) as buf:
+        step(f"{kind} {cycle}: Buffer made")
         layout = buf.get_dispatch_layout(idx, EXPERTS)
         d = buf.dispatch(x, topk_idx=idx, topk_weights=w, layout=layout)
-        step(f"normal {cycle}: dispatched")
+        step(f"{kind} {cycle}: dispatched")
         y = d.x if not cycle % 2 else torch.ones(d.x.shape, dtype=torch.bfloat16, device="cuda")
         buf.combine(y, d.handle, topk_weights=d.topk_weights)
         torch.cuda.synchronize()
-        step(f"normal {cycle}: combined")
+        step(f"{kind} {cycle}: combined")
 
 
 def low_latency_cycle(group: epjit.Group, cycle: int) -> None:
@@ -129,7 +137,8 @@ def low_latency_cycle(group: epjit.Group, cycle: int) -> None:
         step(f"low_latency {cycle}: combined")
 
 
-KINDS: dict[str, Callable[[epjit.Group, int], None]] = {"normal": normal_cycle, "low_latency": low_latency_cycle}
+KINDS: dict[str, Callable[[epjit.Group, int], None]] = {"normal": normal_cycle, "internode": normal_cycle,
+                                                         "low_latency": low_latency_cycle}
 
 
 def soak(group: epjit.Group, kind: str, cycles: int, warmup: int) -> dict[str, Any]:
@@ -159,17 +168,22 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cycles", type=int, default=1000)
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--kinds", help="default: normal,low_latency, or internode,low_latency across nodes")
+    parser.add_argument("--num-nvl-ranks", type=int, help="ranks a NVLink node (default: the ranks a host); fewer "
+                                                          "than the ranks makes the group span nodes")
     parser.add_argument("--json", help="write every rank's figures here (rank 0)")
     parser.add_argument("--check", action="store_true", help="exit 1 when anything judged did not come back")
     parser.add_argument("--progress", action="store_true", help="print each step as it ends, with the time")
     args = parser.parse_args()
     PROGRESS["on"] = args.progress
-    kinds = args.kinds.split(",")
-    unknown = [k for k in kinds if k not in KINDS]
-    if unknown:
-        parser.error(f"unknown kinds {unknown}; known: {', '.join(KINDS)}")
-    group = epjit.init()
+    group = epjit.init(num_nvl_ranks=args.num_nvl_ranks)
+    several = group.num_nvl_ranks < group.size
+    normal = "internode" if several else "normal"
+    kinds = args.kinds.split(",") if args.kinds else [normal, "low_latency"]
+    wrong = [k for k in kinds if k not in KINDS or k in {"normal", "internode"} - {normal}]
+    if wrong:
+        parser.error(f"kinds {wrong} cannot run on {group.size} ranks in nodes of {group.num_nvl_ranks}; these "
+                     f"can: {normal}, low_latency")
     torch.cuda.set_device(group.device)
     results: list[dict[str, Any]] = []
     for kind in kinds:

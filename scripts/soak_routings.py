@@ -5,9 +5,13 @@ corrupts one row in thousands of calls, or a result that depends on timing, need
 
     python -m epjit.launch -n 2 scripts/soak_routings.py [--rounds 10000] [--modes normal,low_latency] [--seed S]
                                                           [--check-every 500] [--hidden 1024] [--json FILE]
+    python -m epjit.launch -n 2 scripts/soak_routings.py --num-nvl-ranks 1 [--modes internode,low_latency] ...
 
-Modes: ``normal`` (get_dispatch_layout, dispatch, combine) and ``low_latency`` (low_latency_dispatch,
-low_latency_combine), torch tensors, outputs poisoned (EPJIT_POISON_OUTPUTS=1: a row no kernel writes reads as NaN).
+Modes: ``normal`` (get_dispatch_layout, dispatch, combine inside one NVLink node), ``internode`` (the same across
+NVLink nodes: the group made with ``--num-nvl-ranks V`` below the rank count, checked against the reference's
+two-level combine; e.g. 2 ranks as 2 nodes of 1) and ``low_latency`` (low_latency_dispatch, low_latency_combine),
+torch tensors, outputs poisoned (EPJIT_POISON_OUTPUTS=1: a row no kernel writes reads as NaN). The default modes are
+normal and low_latency, or internode and low_latency with ``--num-nvl-ranks`` (a group spans nodes or not).
 
 Round r of a mode draws what every rank must agree on (experts, top-k, the hole rate, a rank whose experts no token
 names, FP8, alignment, bias, receive hooks) from a generator seeded by (seed, r, mode), and each rank its tokens,
@@ -53,7 +57,8 @@ import epjit
 from epjit import reference
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-MODES = ("normal", "low_latency")
+MODES = ("normal", "low_latency", "internode")
+NORMAL_MODES = ("normal", "internode")  # the normal-mode kernels: inside one NVLink node, or across nodes
 MASK32 = 0xFFFFFFFF
 MAX_TOPK = 8
 NORMAL_LOCAL_EXPERTS = (1, 2, 8, 16, 32)  # normal mode: experts a rank, drawn each round
@@ -80,11 +85,16 @@ class Setup:
     normal_max_tokens: int = 4096
     ll_max_tokens: int = 3072
     ll_experts: int = 2 * LL_LOCAL_EXPERTS
+    num_nvl_ranks: int = 1  # ranks a NVLink node in internode mode (below ranks)
 
     @staticmethod
-    def for_ranks(ranks: int, hidden: int) -> Setup:
+    def for_ranks(ranks: int, hidden: int, num_nvl_ranks: int = 1) -> Setup:
         return Setup(ranks, hidden, ll_max_tokens=min(3072, LL_ROWS_PER_EXPERT // ranks),
-                     ll_experts=LL_LOCAL_EXPERTS * ranks)
+                     ll_experts=LL_LOCAL_EXPERTS * ranks, num_nvl_ranks=num_nvl_ranks)
+
+    def nodes(self, mode: str) -> int | None:
+        """num_nvl_ranks as the reference takes it: V in internode mode, None (one node) otherwise."""
+        return self.num_nvl_ranks if mode == "internode" else None
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,7 +108,7 @@ class RoundParams:
     avoided: int  # a rank whose experts no token names, so it receives nothing; -1: none
     popularity: np.ndarray  # [E] weights of the experts in the draw: uneven loads
     max_tokens: int
-    fp8: bool = False  # normal mode: FP8 input
+    fp8: bool = False  # normal and internode modes: FP8 input
     alignment: int = 1  # normal mode: expert_alignment
     bias: bool = False  # normal mode: a bias in combine
     precision: str = "bf16"  # low-latency mode: a key of PRECISIONS
@@ -127,7 +137,7 @@ def _generator(seed: int, r: int, mode: str, stream: int) -> np.random.Generator
 def round_params(setup: Setup, seed: int, r: int, mode: str) -> RoundParams:
     rng = _generator(seed, r, mode, 0)
     ranks = setup.ranks
-    if mode == "normal":
+    if mode in NORMAL_MODES:
         num_experts, max_tokens = ranks * int(rng.choice(NORMAL_LOCAL_EXPERTS)), setup.normal_max_tokens
     else:
         num_experts, max_tokens = setup.ll_experts, setup.ll_max_tokens
@@ -139,7 +149,7 @@ def round_params(setup: Setup, seed: int, r: int, mode: str) -> RoundParams:
     popularity = rng.gamma(0.3, size=num_experts) + 1e-3 if rng.random() < 0.5 else np.ones(num_experts)
     common = dict(mode=mode, num_experts=num_experts, topk=topk, holes=holes, avoided=avoided,
                   popularity=popularity, max_tokens=max_tokens)
-    if mode == "normal":
+    if mode in NORMAL_MODES:
         return RoundParams(**common, fp8=bool(rng.random() < 0.25), alignment=int(rng.choice((1, 1, 1, 4, 128))),
                            bias=bool(rng.random() < 0.25))
     return RoundParams(**common, precision=str(rng.choice(list(PRECISIONS), p=PRECISIONS_P)),
@@ -258,18 +268,19 @@ def ll_y_host(d: reference.LowLatencyDispatchResult, rank: int, num_local: int) 
 
 
 def expected_normal(setup: Setup, params: RoundParams, inputs: list[RankInputs], rank: int) -> dict[str, np.ndarray]:
-    """What ``rank``'s normal round must give, named as normal_round names its outputs."""
-    num_experts = params.num_experts
+    """What ``rank``'s normal or internode round must give, named as normal_round names its outputs (across nodes
+    the layout's tokens a node too, and the combine summed node by node)."""
+    num_experts, nodes = params.num_experts, setup.nodes(params.mode)
     sent = [host_x(i, setup.hidden, params.fp8) for i in inputs]
     idxs, ws = [i.topk_idx for i in inputs], [i.topk_weights for i in inputs]
-    layout = reference.get_dispatch_layout(idxs[rank], num_experts, setup.ranks)
+    layout = reference.get_dispatch_layout(idxs[rank], num_experts, setup.ranks, nodes)
     ref = reference.dispatch([x for x, _ in sent], idxs, ws, num_experts,
                              x_scales=[s for _, s in sent] if params.fp8 else None,
                              expert_alignment=params.alignment)
     ys = [normal_y_host(ref[s], s) for s in range(setup.ranks)]
     biases = [host_bias(i, setup.hidden) for i in inputs] if params.bias else None
     combined = reference.combine(ys, [d.handle for d in ref], topk_weights=[d.topk_weights for d in ref],
-                                 bias=biases)[rank]
+                                 bias=biases, num_nvl_ranks=nodes)[rank]
     return normal_outputs(layout, ref[rank], combined, params.fp8)
 
 
@@ -282,6 +293,8 @@ def normal_outputs(layout: Any, dispatched: Any, combined: Any, fp8: bool) -> di
            "combined_x": combined.x, "combined_topk_weights": combined.topk_weights}
     if fp8:
         out["x_scales"] = dispatched.x_scales
+    if layout.num_tokens_per_rdma_rank is not None:  # across nodes
+        out["num_tokens_per_rdma_rank"] = layout.num_tokens_per_rdma_rank
     return out
 
 
@@ -305,7 +318,7 @@ def expected_low_latency(setup: Setup, params: RoundParams, inputs: list[RankInp
     return out
 
 
-EXPECTED = {"normal": expected_normal, "low_latency": expected_low_latency}
+EXPECTED = {"normal": expected_normal, "internode": expected_normal, "low_latency": expected_low_latency}
 
 
 def canonical_order(recv_count: np.ndarray, layout_range: np.ndarray, rows: int) -> tuple[np.ndarray, str | None]:
@@ -502,7 +515,7 @@ def dequantised(x: Any, scales: Any) -> Any:
 def normal_round(ctx: Context, params: RoundParams, inputs: RankInputs) -> tuple[dict[str, Any], str | None]:
     import torch
 
-    buf, hidden = ctx.buffers["normal"], ctx.setup.hidden
+    buf, hidden = ctx.buffers[params.mode], ctx.setup.hidden
     idx, w = _device(inputs.topk_idx), _device(inputs.topk_weights)
     layout = buf.get_dispatch_layout(idx, params.num_experts)
     d = buf.dispatch(device_x(inputs, hidden, params.fp8), topk_idx=idx, topk_weights=w, layout=layout,
@@ -558,15 +571,17 @@ def low_latency_outputs(recv_count: Any, layout_range: Any, arrays: dict[str, An
     return out, problem
 
 
-ROUNDS = {"normal": normal_round, "low_latency": low_latency_round}
+ROUNDS = {"normal": normal_round, "internode": normal_round, "low_latency": low_latency_round}
 
 
 def make_buffers(group: epjit.Group, setup: Setup, modes: list[str]) -> dict[str, epjit.Buffer]:
     buffers = {}
-    if "normal" in modes:  # sized for the largest top-k and expert count a round draws
-        hint = epjit.Buffer.get_normal_size_hint(setup.ranks, setup.hidden, MAX_TOPK,
-                                                 setup.ranks * max(NORMAL_LOCAL_EXPERTS))
-        buffers["normal"] = epjit.Buffer(group, num_nvl_bytes=hint)
+    for mode in set(modes) & set(NORMAL_MODES):  # sized for the largest top-k and expert count a round draws
+        sizes = (setup.ranks, setup.hidden, MAX_TOPK, setup.ranks * max(NORMAL_LOCAL_EXPERTS))
+        nodes = setup.nodes(mode)
+        buffers[mode] = epjit.Buffer(group, num_nvl_bytes=epjit.Buffer.get_normal_size_hint(*sizes,
+                                                                                            num_nvl_ranks=nodes),
+                                     num_rdma_bytes=epjit.Buffer.get_rdma_size_hint(*sizes, num_nvl_ranks=nodes))
     if "low_latency" in modes:  # num_rdma_bytes=0: the size hint of these sizes
         buffers["low_latency"] = epjit.Buffer(group, low_latency_mode=True,
                                               num_max_dispatch_tokens_per_rank=setup.ll_max_tokens,
@@ -667,17 +682,21 @@ def table(modes: dict[str, dict[str, Any]]) -> str:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=10_000)
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", help="default: normal,low_latency, or internode,low_latency with --num-nvl-ranks")
+    parser.add_argument("--num-nvl-ranks", type=int, help="ranks a NVLink node, below the rank count: the group spans "
+                                                          "nodes (internode mode); default: the ranks a host")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--check-every", type=int, default=500, help="compare round r with epjit.reference when r is "
                                                                       "a multiple of this (pass A; 0: never)")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--json", help="write the figures of every rank here (rank 0)")
     args = parser.parse_args()
-    args.modes = list(dict.fromkeys(args.modes.split(",")))
-    unknown = [m for m in args.modes if m not in MODES]
-    if unknown:
-        parser.error(f"unknown modes {unknown}; known: {', '.join(MODES)}")
+    normal = "normal" if args.num_nvl_ranks is None else "internode"
+    args.modes = list(dict.fromkeys(args.modes.split(","))) if args.modes else [normal, "low_latency"]
+    wrong = [m for m in args.modes if m not in MODES or m in set(NORMAL_MODES) - {normal}]
+    if wrong:
+        parser.error(f"modes {wrong} cannot run {'with' if args.num_nvl_ranks else 'without'} --num-nvl-ranks; these "
+                     f"can: {normal}, low_latency")
     if args.rounds < 1 or args.seed < 0 or args.check_every < 0:
         parser.error("--rounds must be >= 1, --seed and --check-every >= 0")
     if args.hidden < 128 or args.hidden % 128:
@@ -690,9 +709,12 @@ def main() -> int:
     os.environ["EPJIT_POISON_OUTPUTS"] = "1"  # read when a Buffer is made: a row no kernel writes reads as NaN
     import torch
 
-    group = epjit.init()
+    group = epjit.init(num_nvl_ranks=args.num_nvl_ranks)
     torch.cuda.set_device(group.device)
-    setup = Setup.for_ranks(group.size, args.hidden)
+    if ("internode" in args.modes) != (group.num_nvl_ranks < group.size):
+        raise SystemExit(f"--num-nvl-ranks {args.num_nvl_ranks}: {group.size} ranks in nodes of "
+                         f"{group.num_nvl_ranks}; internode mode needs fewer ranks a node than ranks")
+    setup = Setup.for_ranks(group.size, args.hidden, group.num_nvl_ranks)
     buffers = make_buffers(group, setup, args.modes)
     ctx = Context(setup, args.seed, args.rounds, args.check_every, group.rank, buffers,
                   {mode: ModeRun() for mode in args.modes})
@@ -706,7 +728,8 @@ def main() -> int:
     gathered = group.allgather_object({mode: ctx.runs[mode].summary() for mode in args.modes})
     modes = {mode: merge(args.rounds, [g[mode] for g in gathered]) for mode in args.modes}
     ok = all(m["mismatched"] == 0 and m["failed"] == 0 and m["invalid"] == 0 for m in modes.values())
-    result = {"rank": group.rank, "size": group.size, "seed": args.seed, "rounds": args.rounds,
+    result = {"rank": group.rank, "size": group.size, "num_nvl_ranks": group.num_nvl_ranks, "seed": args.seed,
+              "rounds": args.rounds,
               "hidden": args.hidden, "normal_max_tokens": setup.normal_max_tokens,
               "ll_max_tokens": setup.ll_max_tokens, "check_every": args.check_every, "modes": modes, "ok": ok}
     if group.rank == 0:

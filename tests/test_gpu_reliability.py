@@ -1,5 +1,5 @@
 """GPU tier of reliability: Buffers made and closed over and over give back everything they took, and the kernels
-of every family run clean under compute-sanitizer's memcheck and racecheck (docs/reliability.md)."""
+that need no NVSHMEM run clean under compute-sanitizer's four tools (docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -14,24 +14,28 @@ from .gpu import ROOT, require_gpus, run_ranks, two_ranks
 pytestmark = pytest.mark.gpu
 
 
-def test_buffers_made_and_closed_leak_nothing():
-    """100 normal and 100 low-latency Buffers after 10 of each: GPU memory, pinned host memory, IPC mappings, the
-    NVSHMEM heap, file descriptors, threads and memory maps all where they were."""
+@pytest.mark.parametrize("nodes", [pytest.param((), id="one-node"), pytest.param(("--num-nvl-ranks", "1"), id="2x1")])
+def test_buffers_made_and_closed_leak_nothing(nodes):
+    """100 Buffers of each kind after 10: normal and low latency inside one NVLink node, internode and low latency
+    across two (2 ranks as 2 nodes of 1). GPU memory, pinned host memory, IPC mappings, the NVSHMEM heap, file
+    descriptors, threads and memory maps all where they were."""
     code, output, results = run_ranks("launch", 2, "scripts/soak_buffers.py", "--cycles", "100", "--warmup", "10",
-                                      "--check", env=two_ranks(), timeout=300)
+                                      "--check", *nodes, env=two_ranks(), timeout=300)
     assert code == 0, output[-6000:]
     assert results and results[0]["leaks"] == [], output[-6000:]
     kinds = {r["kind"] for r in results[0]["results"]}
-    assert kinds == {"normal", "low_latency"}, kinds
+    assert kinds == ({"internode", "low_latency"} if nodes else {"normal", "low_latency"}), kinds
     print(output[-3000:])
 
 
-def test_kernels_clean_under_memcheck_and_racecheck():
+def test_kernels_clean_under_compute_sanitizer():
+    """memcheck, racecheck, synccheck and initcheck over the normal-mode kernels (scripts/sanitize.sh's normal case:
+    the kernels that need no NVSHMEM, which does not start under compute-sanitizer: docs/reliability.md)."""
     require_gpus(1)
     if shutil.which("compute-sanitizer") is None:
         pytest.skip("compute-sanitizer is not on PATH (it comes with the CUDA toolkit)")
     env = {**os.environ, "SANITIZE_CASES": "normal"}
-    proc = subprocess.run(["bash", "scripts/sanitize.sh", "memcheck", "racecheck"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(["bash", "scripts/sanitize.sh", "memcheck", "racecheck", "synccheck", "initcheck"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     print(proc.stdout)
