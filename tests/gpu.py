@@ -173,12 +173,12 @@ def result_dicts(stdout: str) -> list[dict]:
     return results
 
 
-def torchrun_two_ranks(script: str, backend: str, env: dict[str, str], timeout: float) -> list[dict]:
-    """``script backend`` on 2 ranks under torchrun (``env`` from two_ranks() or placement()): asserts the job
-    passed and both ranks printed their RESULT, and returns those."""
+def torchrun_ranks(script: str, n: int, *args: str, env: dict[str, str], timeout: float) -> list[dict]:
+    """``script args`` on ``n`` ranks under torchrun (``env`` from two_ranks() or placement()): asserts the job
+    passed and every rank printed its RESULT, and returns those in rank order."""
     pytest.importorskip("torch")
-    code, output, results = run_ranks("torchrun", 2, script, backend, env={"EPJIT_TIMEOUT_S": "60", **env},
+    code, output, results = run_ranks("torchrun", n, script, *args, env={"EPJIT_TIMEOUT_S": "60", **env},
                                       timeout=timeout)
     assert code == 0, output[-8000:]
-    assert len(results) == 2, output[-4000:]
+    assert len(results) == n, output[-4000:]
     return results

@@ -1,16 +1,22 @@
 """One rank of the autograd GPU check: a small MoE layer (dispatch -> per-expert matmul weighted by the gate ->
 combine) trained one step through epjit.autograd on the real Buffer, normal mode (exact and worst-token outputs) and
-low latency (bf16), eager and through the custom ops under torch.compile(fullgraph=True, backend="aot_eager"). Every
-rank builds every rank's inputs from one seed, computes the same layer densely on its own GPU (no communication), and
-compares its outputs and the gradients of its tokens, its gate weights and its local experts. Prints ``RESULT {json}``.
+low latency (bf16), eager and through the custom ops under torch.compile(fullgraph=True) with each backend asked for:
+"aot_eager" (cases ops_low_latency, ops_normal: the traced graphs run eagerly) and "inductor", torch.compile's default
+(cases inductor_low_latency, inductor_normal: the graphs around the ops compiled to kernels). Every rank builds every
+rank's inputs from one seed, computes the same layer densely on its own GPU (no communication), and compares its
+outputs and the gradients of its tokens, its gate weights and its local experts. Prints ``RESULT {json}``.
 
-    python -m epjit.launch -n 2 tests/ranks/autograd.py
+Any rank count that divides the 16 experts runs it (the tests run 2 and 4):
+
+    python -m epjit.launch -n 2 tests/ranks/autograd.py [--backends aot_eager,inductor]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+import traceback
 
 import torch
 
@@ -19,6 +25,8 @@ import epjit.autograd as ag
 
 HIDDEN, TOPK, EXPERTS, MAX_TOKENS = 256, 4, 16, 64
 BF16 = torch.bfloat16
+# torch.compile's backends, and the prefix of their cases' names (inductor is torch.compile's default backend).
+BACKENDS = {"aot_eager": "ops", "inductor": "inductor"}
 
 
 def inputs(num_ranks: int, device: torch.device, seed: int) -> tuple[list, list, list, torch.Tensor, list]:
@@ -71,8 +79,8 @@ def low_latency_step(buf, x, idx, w, local) -> torch.Tensor:
     return ag.low_latency_combine(buf, y, idx, w, r.handle).x.float()
 
 
-def op_steps(bid: int) -> dict:
-    """The same layers on the custom ops (compiled below)."""
+def op_steps(bid: int, prefix: str) -> dict:
+    """The same layers on the custom ops (compiled below), named ``{prefix}_low_latency`` and ``{prefix}_normal``."""
     def ll(x, idx, w, local):
         recv, _scales, count, meta = torch.ops.epjit.ll_dispatch(bid, x, idx, False, False, False)
         valid = torch.arange(recv.shape[1], device=x.device)[None, :] < count[:, None]
@@ -84,7 +92,7 @@ def op_steps(bid: int) -> dict:
         y = experts_on_rows(recv, recv_idx, recv_w, local)
         return torch.ops.epjit.combine(bid, y, handle_id, x.shape[0]).float()
 
-    return {"ops_low_latency": ll, "ops_normal": normal}
+    return {f"{prefix}_low_latency": ll, f"{prefix}_normal": normal}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -112,7 +120,30 @@ def check(name: str, step, group, data) -> dict:
     return {"case": name, "ok": finite and max(errors.values()) < 2e-2, "finite": finite, **errors}
 
 
+def compiled_steps(bid: int, backends: list[str]) -> dict:
+    """op_steps compiled with each backend; inductor is the default, so it is asked for as users ask for it. The
+    backends' closures share their code objects: dynamo guards on the backend, so each compiles its own graphs."""
+    steps = {}
+    for backend in backends:
+        options = {} if backend == "inductor" else {"backend": backend}
+        steps.update({name: torch.compile(fn, fullgraph=True, **options)
+                      for name, fn in op_steps(bid, BACKENDS[backend]).items()})
+    return steps
+
+
+def parse_backends() -> list[str]:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--backends", default=",".join(BACKENDS),
+                        help=f"torch.compile backends of the custom-op cases, comma-separated, of {list(BACKENDS)}")
+    backends = [b for b in parser.parse_args().backends.split(",") if b]
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown:
+        parser.error(f"unknown backend(s) {unknown}: choose from {list(BACKENDS)}")
+    return backends
+
+
 def main() -> int:
+    backends = parse_backends()
     group = epjit.init()
     torch.cuda.set_device(group.device)
     device = torch.device("cuda", group.device)
@@ -123,14 +154,17 @@ def main() -> int:
     cases = {"normal": lambda *a: normal_step(buf, *a, 0),
              "normal_worst_tokens": lambda *a: normal_step(buf, *a, 8 * a[0].shape[0] + 64),
              "low_latency": lambda *a: low_latency_step(buf, *a)}
-    cases.update({name: torch.compile(fn, fullgraph=True, backend="aot_eager") for name, fn in op_steps(bid).items()})
-    result: dict = {"rank": group.rank, "cases": []}
+    cases.update(compiled_steps(bid, backends))
+    result: dict = {"rank": group.rank, "size": group.size, "backends": backends, "cases": []}
+    name = ""
     try:
         for i, (name, step) in enumerate(cases.items()):
             result["cases"].append(check(name, step, group, inputs(group.size, device, 500 + i)))
+        name = "synchronize"
         buf.synchronize()
     except Exception as e:  # noqa: BLE001 (reported in the RESULT, then the rank fails)
-        result["error"] = f"{type(e).__name__}: {e}"[:600]
+        traceback.print_exc()  # to the log, whole: the RESULT keeps 600 characters of the message
+        result["error"] = f"{name}: {type(e).__name__}: {e}"[:600]
     finally:
         ag.unregister(buf)
         buf.close()

@@ -8,11 +8,20 @@ framework code drives DeepEP, checked against epjit.reference.
 - vLLM's and SGLang's low-latency paths: a low-latency Buffer sized by get_low_latency_rdma_size_hint, FP8 with
   plain and UE8M0 scales checked in DeepEP's layout, the receive hook, async_finish, combine into ``out``.
 
-argv: ``gloo`` or ``nccl``, the backend of the process group the script makes. Prints ``RESULT {json}`` per rank.
+With ``--num-nvl-ranks V`` below the ranks, the epjit group is made first with every V consecutive ranks one NVLink
+node (virtual nodes of one host), so the DeepEP Buffers run across nodes: the normal-mode one on epjit's internode
+kernels, sized by epjit's hints; its layouts' ``num_tokens_per_rdma_rank`` and its combines are checked against the
+reference's per-node counts and two-level combine. Inside one node ``num_tokens_per_rdma_rank`` must be None.
+
+argv: ``gloo`` or ``nccl`` (the backend of the process group the script makes), then optionally
+``--num-nvl-ranks V``. Prints ``RESULT {json}`` per rank.
+
+    torchrun --standalone --nproc-per-node 4 tests/ranks/deep_ep.py gloo --num-nvl-ranks 2
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -34,9 +43,20 @@ from deep_ep.utils import EventHandle, EventOverlap  # noqa: E402
 HIDDEN, TOPK, EXPERTS = 2048, 4, 64
 
 
-def normal_buffer(group) -> Buffer:
-    """Megatron's get_buffer: the largest hint of the default dispatch and combine configs."""
+def ll_sizes(R: int) -> tuple[int, int, int]:
+    """The low-latency Buffer's (num_max_dispatch_tokens_per_rank, hidden, num_experts): 8 experts a rank."""
+    return 32, 2048, 8 * R
+
+
+def normal_buffer(group, nvl: int | None) -> Buffer:
+    """Megatron's get_buffer: the largest hint of the default dispatch and combine configs. Across virtual nodes
+    (``nvl`` ranks a node) epjit's hints instead: DeepEP's Config hints assume nodes of 8 ranks (0 RDMA bytes up to
+    8 ranks), and the internode kernels need a symmetric heap for the nodes' leg."""
     size, hidden_bytes = group.size(), HIDDEN * 2
+    if nvl is not None:
+        sizes = (size, HIDDEN, TOPK, EXPERTS)
+        return Buffer(group, epjit.Buffer.get_normal_size_hint(*sizes, num_nvl_ranks=nvl),
+                      epjit.Buffer.get_rdma_size_hint(*sizes, num_nvl_ranks=nvl))
     nvl = rdma = 0
     for config in (Buffer.get_dispatch_config(size), Buffer.get_combine_config(size)):
         nvl = max(config.get_nvl_buffer_size_hint(hidden_bytes, size), nvl)
@@ -44,7 +64,19 @@ def normal_buffer(group) -> Buffer:
     return Buffer(group, nvl, rdma)
 
 
-def megatron_round(buffer: Buffer, rank: int, R: int, seed: int) -> None:
+def check_layout(name: str, per_rank, per_rdma, idx: np.ndarray, R: int, nvl: int | None) -> None:
+    """get_dispatch_layout's tokens a rank, and a node across nodes (``num_tokens_per_rdma_rank``, DeepEP's second
+    return; None inside one node), against the reference's layout of this rank's ``topk_idx``."""
+    want = reference.get_dispatch_layout(idx, EXPERTS, R, nvl)
+    same(f"{name} num_tokens_per_rank", to_numpy(per_rank), want.num_tokens_per_rank)
+    if nvl is None:
+        if per_rdma is not None:
+            raise Mismatch(f"{name}: num_tokens_per_rdma_rank inside one node is {per_rdma!r}, not None")
+        return
+    same(f"{name} num_tokens_per_rdma_rank", to_numpy(per_rdma), want.num_tokens_per_rdma_rank)
+
+
+def megatron_round(buffer: Buffer, rank: int, R: int, seed: int, nvl: int | None) -> None:
     """fused_dispatch forward and backward, fused_combine forward and backward, with async_finish."""
     xs, idxs, ws = make_inputs(seed, [100 + 13 * r for r in range(R)], HIDDEN, TOPK, EXPERTS, 0.1)
     ref = reference.dispatch(xs, idxs, ws, EXPERTS)
@@ -56,6 +88,7 @@ def megatron_round(buffer: Buffer, rank: int, R: int, seed: int) -> None:
         is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, previous_event=event, async_finish=True,
         allocate_on_comm_stream=True)
     after.current_stream_wait()
+    check_layout("megatron", per_rank, per_rdma, idxs[rank], R, nvl)
     same("megatron recv_x", to_numpy(recv_x), ref[rank].x)
     same("megatron recv_topk_idx", to_numpy(recv_idx), ref[rank].topk_idx)
     same("megatron recv_topk_weights", to_numpy(recv_w), ref[rank].topk_weights)
@@ -68,7 +101,8 @@ def megatron_round(buffer: Buffer, rank: int, R: int, seed: int) -> None:
                                            previous_event=EventOverlap(EventHandle()), async_finish=True,
                                            allocate_on_comm_stream=True)
     after.current_stream_wait()
-    want = reference.combine(grads, [r_.handle for r_ in ref], topk_weights=[r_.topk_weights for r_ in ref])
+    want = reference.combine(grads, [r_.handle for r_ in ref], topk_weights=[r_.topk_weights for r_ in ref],
+                             num_nvl_ranks=nvl)
     same("megatron combined grad_x", to_numpy(grad_x), want[rank].x)
     same("megatron combined grad_topk_weights", to_numpy(grad_w), want[rank].topk_weights)
 
@@ -76,7 +110,8 @@ def megatron_round(buffer: Buffer, rank: int, R: int, seed: int) -> None:
     combined, none, after = buffer.combine(to_torch(grads[rank]), handle=handle, async_finish=True,
                                            previous_event=EventOverlap(EventHandle()))
     after.current_stream_wait()
-    same("megatron fused_combine", to_numpy(combined), reference.combine(grads, [r_.handle for r_ in ref])[rank].x)
+    want = reference.combine(grads, [r_.handle for r_ in ref], num_nvl_ranks=nvl)
+    same("megatron fused_combine", to_numpy(combined), want[rank].x)
     ys = [(x_.astype(np.float32) * 2).astype(x_.dtype) for x_ in xs]
     replayed, *nones, after = buffer.dispatch(to_torch(ys[rank]), handle=handle,
                                               previous_event=EventOverlap(EventHandle()), async_finish=True)
@@ -86,8 +121,10 @@ def megatron_round(buffer: Buffer, rank: int, R: int, seed: int) -> None:
     same("megatron cached dispatch", to_numpy(replayed), reference.dispatch(ys, idxs, None, EXPERTS)[rank].x)
 
 
-def vllm_ht_round(buffer: Buffer, rank: int, R: int, seed: int) -> None:
-    """vLLM's DeepEPHTPrepareAndFinalize: FP8 (tokens, scales) in, default configs, async_finish=False."""
+def vllm_ht_round(buffer: Buffer, rank: int, R: int, seed: int, nvl: int | None) -> None:
+    """vLLM's DeepEPHTPrepareAndFinalize: FP8 (tokens, scales) in, default configs, async_finish=False. Across
+    nodes the configs are still get_dispatch_config(R)'s: they do not know the node size, and the internode
+    kernels take them (docs/deep_ep.md)."""
     xs, idxs, ws = make_inputs(seed, [64 + 7 * r for r in range(R)], HIDDEN, TOPK, EXPERTS, 0.2)
     cast = [reference.per_token_cast_to_fp8(x_) for x_ in xs]
     qs, scales = [c[0] for c in cast], [c[1] for c in cast]
@@ -95,6 +132,7 @@ def vllm_ht_round(buffer: Buffer, rank: int, R: int, seed: int) -> None:
     idx, w = to_torch(idxs[rank]), to_torch(ws[rank])
     per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(
         topk_idx=idx, num_experts=EXPERTS, previous_event=None, async_finish=False, allocate_on_comm_stream=False)
+    check_layout("vllm", per_rank, per_rdma, idxs[rank], R, nvl)
     token_data = (to_torch(qs[rank]).view(torch.float8_e4m3fn), to_torch(scales[rank]))
     (recv_q, recv_s), recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
         x=token_data, handle=None, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
@@ -108,7 +146,8 @@ def vllm_ht_round(buffer: Buffer, rank: int, R: int, seed: int) -> None:
     combined, _, _ = buffer.combine(x=to_torch(ys[rank]), handle=handle, topk_weights=None,
                                     config=Buffer.get_combine_config(R), previous_event=None, async_finish=False,
                                     allocate_on_comm_stream=False)
-    same("vllm combined", to_numpy(combined), reference.combine(ys, [r_.handle for r_ in ref])[rank].x)
+    want = reference.combine(ys, [r_.handle for r_ in ref], num_nvl_ranks=nvl)
+    same("vllm combined", to_numpy(combined), want[rank].x)
 
 
 def check_low_latency(name: str, recv, count, handle, want, use_fp8: bool, use_ue8m0: bool) -> None:
@@ -166,39 +205,63 @@ def low_latency_round(buffer: Buffer, rank: int, R: int, seed: int, m: int, hidd
     same(f"{name} combined", to_numpy(out), expected_combine(xs[rank], idxs[rank], ws[rank]))
 
 
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("backend", choices=("gloo", "nccl"), help="the process group's backend")
+    parser.add_argument("--num-nvl-ranks", type=int, default=None,
+                        help="ranks an NVLink node (below the ranks: virtual nodes, the internode kernels)")
+    return parser.parse_args()
+
+
+def run_rounds(buffer: Buffer, ll: Buffer, rank: int, R: int, nvl: int | None, result: dict) -> None:
+    """Megatron's and vLLM's normal-mode rounds, then the low-latency ones; counts the cases in ``result``."""
+    m, hidden, experts = ll_sizes(R)
+    for i in range(2):
+        megatron_round(buffer, rank, R, 100 + i, nvl)
+        vllm_ht_round(buffer, rank, R, 200 + i, nvl)
+        result["cases"] += 2
+    for i, (fp8, ue8m0, hook, async_finish) in enumerate([(True, False, False, False), (True, True, False, False),
+                                                          (True, False, True, False), (True, True, True, False),
+                                                          (True, False, False, True), (False, False, True, False),
+                                                          (False, False, False, True)]):
+        low_latency_round(ll, rank, R, 300 + i, m, hidden, experts, fp8, ue8m0, hook, async_finish)
+        result["cases"] += 1
+    result["ll_hint_matches"] = ll.num_rdma_bytes == epjit.Buffer.get_low_latency_size_hint(m, hidden, R, experts)
+
+
 def main() -> int:
-    backend = sys.argv[1]
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)  # NCCL's collectives run on the current device
-    dist.init_process_group(backend)
+    args = parse_args()
+    if args.backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # NCCL's collectives run on the current device
+    dist.init_process_group(args.backend)
     group = dist.group.WORLD
     R, rank = group.size(), group.rank()
-    result: dict = {"backend": backend, "rank": rank, "size": R, "cases": 0, "mismatch": None}
-    buffer = normal_buffer(group)
-    torch.cuda.set_device(epjit.init().device)  # the group DeepEP's Buffer made over the process group
-    m, hidden, experts = 32, 2048, 8 * R
+    nvl = args.num_nvl_ranks if args.num_nvl_ranks is not None and args.num_nvl_ranks < R else None
+    if args.num_nvl_ranks is not None:
+        # Before any deep_ep Buffer: DeepEP's Buffer(group) takes epjit.init(torch_group=group), which returns the
+        # group made here for the same process group, so both Buffers below see V-rank NVLink nodes.
+        epjit.init(torch_group=group, num_nvl_ranks=args.num_nvl_ranks)
+    result: dict = {"backend": args.backend, "rank": rank, "size": R, "cases": 0, "mismatch": None}
+    buffer = normal_buffer(group, nvl)
+    epjit_group = epjit.init()  # the group DeepEP's Buffer made (or took) over the process group
+    torch.cuda.set_device(epjit_group.device)
+    inner = buffer._normal  # the normal-mode epjit Buffer: which kernels its calls run, its heap
+    result.update(num_nvl_ranks=epjit_group.num_nvl_ranks, rdma_bytes=inner.num_rdma_bytes,
+                  kernels=inner._spec_of(inner._dispatch_config).family)
+    m, hidden, experts = ll_sizes(R)
+    # A Buffer of its own (as vLLM and SGLang make): across nodes an epjit Buffer serves one mode, and deep_ep
+    # makes this one's epjit Buffer low-latency only (num_nvl_bytes=0).
     ll = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(m, hidden, R, experts), low_latency_mode=True,
                 num_qps_per_rank=experts // R, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=True,
                 explicitly_destroy=True)
     try:
-        for i in range(2):
-            megatron_round(buffer, rank, R, 100 + i)
-            vllm_ht_round(buffer, rank, R, 200 + i)
-            result["cases"] += 2
-        for i, (fp8, ue8m0, hook, async_finish) in enumerate([(True, False, False, False), (True, True, False, False),
-                                                              (True, False, True, False), (True, True, True, False),
-                                                              (True, False, False, True), (False, False, True, False),
-                                                              (False, False, False, True)]):
-            low_latency_round(ll, rank, R, 300 + i, m, hidden, experts, fp8, ue8m0, hook, async_finish)
-            result["cases"] += 1
-        result["ll_hint_matches"] = ll.num_rdma_bytes == epjit.Buffer.get_low_latency_size_hint(m, hidden, R, experts)
+        run_rounds(buffer, ll, rank, R, nvl, result)
     except Mismatch as e:
         result["mismatch"] = str(e)[:400]
     finally:
         ll.destroy()
         buffer.destroy()
-    epjit.init().close()
+    epjit_group.close()
     dist.destroy_process_group()
     print("RESULT " + json.dumps(result), flush=True)
     return 0 if result["mismatch"] is None else 1

@@ -1,5 +1,6 @@
-"""Run by every rank under torchrun: a normal-mode Buffer made from a torch ProcessGroup, as DeepEP's callers make
-theirs, checked against epjit.reference (dispatch and combine, bf16 and FP8).
+"""Run by every rank under torchrun (any number of ranks; the tests run 2 and 4): a normal-mode Buffer made from a
+torch ProcessGroup, as DeepEP's callers make theirs, checked against epjit.reference (dispatch and combine, bf16 and
+FP8).
 
 argv: ``gloo`` or ``nccl`` (the script makes the default group with that backend and passes it to Buffer), or
 ``none`` (the script makes no group: epjit.init() creates a gloo one). Prints ``RESULT {json}`` per rank.
