@@ -222,15 +222,14 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
         const bool invalid = invalid_ids != nullptr && *invalid_ids != 0;
         meta[3] = flags | (fits ? 0 : kMetaLayoutTooBig) | (invalid ? kMetaInvalidIds : 0);
     }
-    // Per-expert counts by every thread, one (peer, local expert) each (a loop of one thread per peer was slow).
+    // My per-expert counts (tokens I send to each rank's local experts) into my own buffer, read by the peers after
+    // the barrier. Not into theirs: the counts sit after the rings, at an offset that moves with this call's top-k,
+    // scales and slots, where a peer still in its previous combine may be reading ring slots (that combine's rows
+    // from me are all sent, so my own combine could end first); only the fixed areas before the rings (counts,
+    // meta) are written into peers before the barrier.
     if (!cached && fits)
-        for (int i = t; i < kNumRanks * num_local_experts; i += blockDim.x) {
-            const int peer = i / num_local_experts, l = i % num_local_experts;
-            int32_t* counts = IntranodeLayout(nvl_ptr(peers, peer, kNvlHeaderBytes), kNumRanks, num_channels,
-                                              num_slots, hidden, num_topk, num_scales, num_local_experts)
-                                  .expert_counts;
-            counts[me * num_local_experts + l] = num_tokens_per_expert[i];
-        }
+        for (int i = t; i < kNumRanks * num_local_experts; i += blockDim.x)
+            mine.expert_counts[i] = num_tokens_per_expert[i];
     timeline_mark(timeline, kNotifyAtWritten);
     // Pairs the count writes above with every peer's reads below (nvl_barrier_block fences and releases).
     nvl_barrier_block<kNumRanks>(peers, "intranode_notify: peer's counts and meta");
@@ -266,10 +265,18 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
         if (total > theirs[4])
             atomicOr(&status, theirs[3] & kFlagWorstTokens ? kStatusWorstTooSmall : kStatusOverCapacity);
     }
-    if (!cached && fits)
+    __syncthreads();
+    // Where every rank's rings fit and every rank called alike, every peer's buffer has this call's layout (else
+    // every rank stops, and the counts are not read); after the barrier every peer is in this notify, past its
+    // previous combine, with its counts written.
+    if (!cached && !(status & (kStatusLayoutTooBig | kStatusMetaMismatch)))
         for (int l = t; l < num_local_experts; l += blockDim.x) {
             int sum = 0;
-            for (int i = 0; i < kNumRanks; ++i) sum += mine.expert_counts[i * num_local_experts + l];
+            for (int i = 0; i < kNumRanks; ++i) {
+                const IntranodeLayout theirs(nvl_ptr(peers, i, kNvlHeaderBytes), kNumRanks, num_channels, num_slots,
+                                             hidden, num_topk, num_scales, num_local_experts);
+                sum += ptx::ld_volatile_s32(theirs.expert_counts + me * num_local_experts + l);
+            }
             host_out[2 + (kMetaInts + 1) * kNumRanks + l] =
                 (sum + expert_alignment - 1) / expert_alignment * expert_alignment;
         }

@@ -15,7 +15,8 @@
 //             topk_idx      int32 [C][R src][T][K]          local expert ids, -1 elsewhere
 //             topk_weights  float [C][R src][T][K]
 //             scales        float [C][R src][T][S]
-//   notify    expert_counts int32 [R src][L]         tokens rank src sends to my local expert l (top-k slots)
+//   notify    expert_counts int32 [R dst][L]         tokens I send to rank dst's local expert l (top-k slots),
+//                                                     written by me, read by rank dst after notify's barrier
 //
 // Every queue (channel c, source s) lives in the receiver's buffer: the receiver polls its tail locally and
 // publishes its head locally; the sender reads the head and writes data + tail over NVLink.
