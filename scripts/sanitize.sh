@@ -20,7 +20,8 @@
 # exit code; logs under $OUT, where the soak's --progress lines show how far an instrumented run got. Exits 1 when a
 # case reported errors, failed or ran out of time. Instrumented spin-waits are slow, so EPJIT_TIMEOUT_S defaults
 # to 300 here. Needs compute-sanitizer (CUDA toolkit) on PATH. SANITIZE_FLAGS adds flags to every compute-sanitizer
-# command, SANITIZE_TAG names a run's logs apart (runs side by side).
+# command, SANITIZE_TAG names a run's logs apart (runs side by side), SANITIZE_STACK_DUMP_S=N writes every rank's
+# Python stacks into the log every N seconds (scripts/with_stack_dumps.py: where a case that runs out of time is).
 set -uo pipefail
 OUT=${OUT:-/tmp/epjit-out}
 mkdir -p "$OUT"
@@ -29,12 +30,15 @@ tools=("$@")
 export EPJIT_TIMEOUT_S=${EPJIT_TIMEOUT_S:-300} PYTHONUNBUFFERED=1
 ranks=${SANITIZE_RANKS:-1}
 runner() {  # the command that starts a case's ranks (this many)
+  local dumps=""
+  [ -n "${SANITIZE_STACK_DUMP_S:-}" ] && dumps=scripts/with_stack_dumps.py
   if [ "$1" -gt 1 ]; then
-    echo python3 -m epjit.launch -n "$1"
+    echo python3 -m epjit.launch -n "$1" $dumps
   else
-    echo python3
+    echo python3 $dumps
   fi
 }
+[ -n "${SANITIZE_STACK_DUMP_S:-}" ] && export STACK_DUMP_S=$SANITIZE_STACK_DUMP_S
 [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge "$(( ranks > 2 ? ranks : 2 ))" ] || export EPJIT_SHARE_GPUS=1
 declare -A CASES=(
   [normal]="scripts/soak_buffers.py --kinds normal --cycles 2 --warmup 0 --progress"
