@@ -695,7 +695,8 @@ def parse_args() -> argparse.Namespace:
     args.modes = list(dict.fromkeys(args.modes.split(","))) if args.modes else [normal, "low_latency"]
     wrong = [m for m in args.modes if m not in MODES or m in set(NORMAL_MODES) - {normal}]
     if wrong:
-        parser.error(f"modes {wrong} cannot run {'with' if args.num_nvl_ranks else 'without'} --num-nvl-ranks; these "
+        parser.error(f"modes {wrong} cannot run {'with' if args.num_nvl_ranks is not None else 'without'} "
+                     f"--num-nvl-ranks; these "
                      f"can: {normal}, low_latency")
     if args.rounds < 1 or args.seed < 0 or args.check_every < 0:
         parser.error("--rounds must be >= 1, --seed and --check-every >= 0")
@@ -711,9 +712,11 @@ def main() -> int:
 
     group = epjit.init(num_nvl_ranks=args.num_nvl_ranks)
     torch.cuda.set_device(group.device)
-    if ("internode" in args.modes) != (group.num_nvl_ranks < group.size):
-        raise SystemExit(f"--num-nvl-ranks {args.num_nvl_ranks}: {group.size} ranks in nodes of "
-                         f"{group.num_nvl_ranks}; internode mode needs fewer ranks a node than ranks")
+    several = group.num_nvl_ranks < group.size  # (without --num-nvl-ranks too, where the ranks span hosts)
+    if ("internode" in args.modes and not several) or ("normal" in args.modes and several):
+        raise SystemExit(f"{group.size} ranks in nodes of {group.num_nvl_ranks}: "
+                         + ("internode mode needs fewer ranks a node than ranks (--num-nvl-ranks)" if not several
+                            else "the group spans nodes: give --num-nvl-ranks and the internode mode"))
     setup = Setup.for_ranks(group.size, args.hidden, group.num_nvl_ranks)
     buffers = make_buffers(group, setup, args.modes)
     ctx = Context(setup, args.seed, args.rounds, args.check_every, group.rank, buffers,

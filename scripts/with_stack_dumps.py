@@ -16,7 +16,10 @@ import sys
 def main() -> None:
     if len(sys.argv) < 2:
         sys.exit(f"usage: STACK_DUMP_S=SECONDS {sys.argv[0]} SCRIPT [ARGS ...]")
-    every = float(os.environ.get("STACK_DUMP_S", "60"))
+    try:
+        every = float(os.environ.get("STACK_DUMP_S", "60"))
+    except ValueError:
+        every = 0.0
     if not every > 0:
         sys.exit(f"STACK_DUMP_S must be a positive number of seconds, got {os.environ['STACK_DUMP_S']!r}")
     faulthandler.dump_traceback_later(every, repeat=True, file=sys.stderr)

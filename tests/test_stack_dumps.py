@@ -32,7 +32,9 @@ def test_the_script_runs_as_itself_and_its_stack_is_dumped_while_it_waits(tmp_pa
 def test_a_bad_interval_or_no_script_is_refused(tmp_path):
     script = tmp_path / "quick.py"
     script.write_text("print('ran')\n")
-    proc = _run(script, every="0")
-    assert proc.returncode != 0 and "STACK_DUMP_S must be a positive number" in proc.stderr and "ran" not in proc.stdout
+    for every in ("0", "soon"):
+        proc = _run(script, every=every)
+        assert proc.returncode != 0 and "STACK_DUMP_S must be a positive number" in proc.stderr, proc.stderr
+        assert "ran" not in proc.stdout
     proc = subprocess.run([sys.executable, str(TOOL)], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and "usage" in proc.stderr
