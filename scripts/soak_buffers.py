@@ -3,15 +3,18 @@ process holds before and after. Everything must come back: a server that makes a
 training job that remakes them when the parallel layout changes, would otherwise run out.
 
     python -m epjit.launch -n 2 scripts/soak_buffers.py [--cycles 1000] [--warmup 20] [--kinds normal,low_latency]
-                                                          [--num-nvl-ranks V] [--json FILE] [--check]
+                                                          [--num-nvl-ranks V] [--json FILE] [--check] [--explain]
 
 For each kind, after ``--warmup`` cycles (first loads, CUDA's lazy allocations, allocator pools growing to their
 working size), it reads on every rank: the GPU's free memory (after emptying torch's and CuPy's caches), epjit's
 pinned host memory, peer mappings through CUDA IPC, NVLink buffer and NVSHMEM heap bytes
-(``epjit.memory.live_resources``), the process's open file descriptors, threads and memory mappings, and its
-resident memory; then runs ``--cycles`` more and reads them again. Prints a table of the changes (rank 0), and
-with ``--check`` exits 1 when any of them but resident memory changed (resident memory moves with Python's own
-allocator; it is reported, not judged).
+(``epjit.memory.live_resources``), the process's open file descriptors, threads and memory maps backed by
+something (a file, a device, shared memory), its anonymous memory maps and its resident memory; then runs
+``--cycles`` more and reads them again. Prints a table of the changes (rank 0), and with ``--check`` exits 1 when
+any of them but the anonymous maps and resident memory changed: those two move with the process's allocators
+(Python's arenas of 1 MiB are anonymous maps), so they are reported, not judged. ``--explain`` says where
+Python's own memory grew over the measured cycles (tracemalloc), which types have more live objects and what holds
+them, and which memory maps came or went: where to look when resident memory climbs with the cycles.
 
 Kinds: ``normal`` (get_dispatch_layout, dispatch, combine on a normal-mode Buffer inside one NVLink node),
 ``internode`` (the same across NVLink nodes: a normal-mode Buffer with its NVSHMEM heap, on a group made with
@@ -30,7 +33,11 @@ import json
 import os
 import sys
 import time
+import tracemalloc
+import weakref
+from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import cupy
@@ -40,6 +47,7 @@ import epjit
 from epjit.memory import live_resources
 
 TOKENS, HIDDEN, TOPK, EXPERTS = 128, 2048, 4, 32
+MAPS: dict[str, list[str]] = {}  # the lines of /proc/self/maps at the last snapshot
 PROGRESS = {"on": False, "start": time.perf_counter()}  # --progress: each step printed as it ends (a slow tool's log)
 
 
@@ -47,7 +55,10 @@ def step(what: str) -> None:
     if PROGRESS["on"]:
         print(f"[{time.perf_counter() - PROGRESS['start']:8.1f} s] {what}", flush=True)
 JUDGED = ("gpu_free_bytes", "mapped_host_bytes", "ipc_mappings", "nvl_buffer_bytes", "heap_bytes",
-          "nvshmem_initialised", "open_fds", "threads", "memory_maps")
+          "nvshmem_initialised", "open_fds", "threads", "file_maps")
+# Reported, not judged: both move with the process's allocators (an obmalloc arena or a malloc'd block past the
+# mmap threshold is an anonymous map of its own), not with what a Buffer holds.
+REPORTED = ("anonymous_maps", "resident_bytes")
 
 
 def _count(path: str) -> int:
@@ -57,12 +68,29 @@ def _count(path: str) -> int:
         return -1
 
 
-def _memory_maps() -> int:
+def _map_lines() -> list[str]:
     try:
         with open("/proc/self/maps") as f:
-            return sum(1 for _ in f)
+            return f.read().splitlines()
     except OSError:
-        return -1
+        return []
+
+
+def _is_file_map(line: str) -> bool:
+    """A map with something behind it (a file, a device such as /dev/nvidia*, shared memory): what a leaked IPC
+    handle, shared-memory segment or device mapping leaves. Anonymous maps ([heap], [stack], none) are not."""
+    fields = line.split(maxsplit=5)
+    return len(fields) > 5 and not fields[5].startswith("[")
+
+
+def _map_change(before: list[str], after: list[str]) -> list[str]:
+    """The memory maps that came or went (a few): "+" or "-", size in KiB, permissions and what backs it."""
+    def describe(sign: str, line: str) -> str:
+        fields = line.split(maxsplit=5)
+        start, end = (int(a, 16) for a in fields[0].split("-"))
+        return f"{sign}{(end - start) >> 10} KiB {fields[1]} {fields[5] if len(fields) > 5 else '[anonymous]'}"
+    old, new = set(before), set(after)
+    return ([describe("+", m) for m in after if m not in old] + [describe("-", m) for m in before if m not in new])[:8]
 
 
 def _resident_bytes() -> int:
@@ -81,9 +109,11 @@ def snapshot(group: epjit.Group) -> dict[str, int]:
     cupy.get_default_memory_pool().free_all_blocks()
     cupy.get_default_pinned_memory_pool().free_all_blocks()
     group.barrier()
+    MAPS["now"] = _map_lines()
     found = {"gpu_free_bytes": int(cupy.cuda.runtime.memGetInfo()[0]), **live_resources(),
              "open_fds": _count("/proc/self/fd"), "threads": _count("/proc/self/task"),
-             "memory_maps": _memory_maps(), "resident_bytes": _resident_bytes()}
+             "file_maps": sum(map(_is_file_map, MAPS["now"])),
+             "anonymous_maps": sum(not _is_file_map(m) for m in MAPS["now"]), "resident_bytes": _resident_bytes()}
     group.barrier()
     return found
 
@@ -141,22 +171,74 @@ KINDS: dict[str, Callable[[epjit.Group, int], None]] = {"normal": normal_cycle, 
                                                          "low_latency": low_latency_cycle}
 
 
-def soak(group: epjit.Group, kind: str, cycles: int, warmup: int) -> dict[str, Any]:
+def _python_growth(start: tracemalloc.Snapshot) -> list[str]:
+    """Where Python's own allocations grew since ``start`` (the largest few, each with the line that made them,
+    then its callers)."""
+    stats = tracemalloc.take_snapshot().compare_to(start, "traceback")
+    return [f"{s.size_diff:+d} B in {s.count_diff:+d} blocks at " + " <- ".join(
+        f"{Path(f.filename).name}:{f.lineno}" for f in reversed(s.traceback)) for s in stats[:6] if s.size_diff > 0]
+
+
+def _type_name(o: object) -> str:
+    return f"{type(o).__module__}.{type(o).__qualname__}"
+
+
+def _live_objects() -> dict[int, str]:
+    """Live objects the garbage collector tracks: id -> type (a type whose count grows with the cycles is retained)."""
+    return {id(o): _type_name(o) for o in gc.get_objects()}
+
+
+def _object_growth(start: dict[int, str]) -> list[str]:
+    """The types with more live objects than at ``start``, and for the objects new since then of the type that grew
+    most, what holds them (and what a weak reference among them points at)."""
+    grown = Counter(_live_objects().values())
+    grown.subtract(Counter(start.values()))
+    lines = [f"{n:+d} live {name}" for name, n in grown.most_common(6) if n > 0]
+    if not lines:
+        return lines
+    top = grown.most_common(1)[0][0]
+    new = [o for o in gc.get_objects() if id(o) not in start and _type_name(o) == top]
+    holders = [h for o in new[:200] for h in gc.get_referrers(o) if h is not new and isinstance(h, (dict, list, set))]
+    by_type = Counter(_type_name(h) for h in holders)
+    lines.append(f"new {top} held by: " + ", ".join(f"{n} {name}" for name, n in by_type.most_common(4)))
+    # the largest dict among the holders (else the largest holder): how big, and what its first entries look like
+    biggest = max(holders, key=lambda h: (isinstance(h, dict), len(h)), default=None)
+    if biggest is not None:
+        sample = list(biggest.items())[:3] if isinstance(biggest, dict) else list(biggest)[:3]
+        lines.append(f"largest holder: {_type_name(biggest)} of {len(biggest)}, e.g. {str(sample)[:200]}")
+    targets = Counter(_type_name(o()) for o in new[:200] if isinstance(o, weakref.ref))
+    if targets:
+        lines.append(f"new {top} point at: " + ", ".join(f"{n} {name}" for name, n in targets.most_common(4)))
+    return lines
+
+
+def soak(group: epjit.Group, kind: str, cycles: int, warmup: int, explain: bool = False) -> dict[str, Any]:
     run = KINDS[kind]
     for cycle in range(warmup):
         run(group, cycle)
     before = snapshot(group)
+    maps_before = MAPS["now"]
+    if explain:
+        start_types = _live_objects()
+        tracemalloc.start(4)
+        start_trace = tracemalloc.take_snapshot()
     start = time.perf_counter()
     for cycle in range(warmup, warmup + cycles):
         run(group, cycle)
     seconds = time.perf_counter() - start
     after = snapshot(group)
-    return {"kind": kind, "rank": group.rank, "cycles": cycles, "ms_per_cycle": round(1e3 * seconds / cycles, 2),
-            "before": before, "change": {name: after[name] - before[name] for name in before}}
+    found = {"kind": kind, "rank": group.rank, "cycles": cycles, "ms_per_cycle": round(1e3 * seconds / cycles, 2),
+             "before": before, "change": {name: after[name] - before[name] for name in before},
+             "maps_changed": _map_change(maps_before, MAPS["now"])}
+    if explain:
+        found["python_growth"] = _python_growth(start_trace)
+        tracemalloc.stop()
+        found["python_growth"] += _object_growth(start_types)
+    return found
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    names = [*JUDGED, "resident_bytes"]
+    names = [*JUDGED, *REPORTED]
     lines = [f"{'kind':<12}{'rank':>5}{'cycles':>7}{'ms/cycle':>9}  " + " ".join(f"{n:>19}" for n in names)]
     for r in results:
         lines.append(f"{r['kind']:<12}{r['rank']:>5}{r['cycles']:>7}{r['ms_per_cycle']:>9}  "
@@ -174,6 +256,9 @@ def main() -> int:
     parser.add_argument("--json", help="write every rank's figures here (rank 0)")
     parser.add_argument("--check", action="store_true", help="exit 1 when anything judged did not come back")
     parser.add_argument("--progress", action="store_true", help="print each step as it ends, with the time")
+    parser.add_argument("--explain", action="store_true", help="trace Python's allocations over the measured cycles "
+                        "and print, for each kind and rank, where they grew, which types have more live objects and "
+                        "which memory maps came or went")
     args = parser.parse_args()
     PROGRESS["on"] = args.progress
     group = epjit.init(num_nvl_ranks=args.num_nvl_ranks)
@@ -187,11 +272,14 @@ def main() -> int:
     torch.cuda.set_device(group.device)
     results: list[dict[str, Any]] = []
     for kind in kinds:
-        results += group.allgather_object(soak(group, kind, args.cycles, args.warmup))
+        results += group.allgather_object(soak(group, kind, args.cycles, args.warmup, args.explain))
     leaks = [f"{r['kind']} rank {r['rank']}: {n} {r['change'][n]:+d}" for r in results for n in JUDGED
              if r["change"][n] != 0]
     if group.rank == 0:
         print(_table(results), flush=True)
+        for r in results:
+            for line in r["maps_changed"] + r.get("python_growth", []):
+                print(f"{r['kind']} rank {r['rank']}: {line}", flush=True)
         print("RESULT " + json.dumps({"rank": 0, "leaks": leaks, "results": results}), flush=True)
         if args.json:
             with open(args.json, "w") as f:
