@@ -47,7 +47,6 @@ import epjit
 from epjit.memory import live_resources
 
 TOKENS, HIDDEN, TOPK, EXPERTS = 128, 2048, 4, 32
-MAPS: dict[str, list[str]] = {}  # the lines of /proc/self/maps at the last snapshot
 PROGRESS = {"on": False, "start": time.perf_counter()}  # --progress: each step printed as it ends (a slow tool's log)
 
 
@@ -101,21 +100,22 @@ def _resident_bytes() -> int:
         return -1
 
 
-def snapshot(group: epjit.Group) -> dict[str, int]:
-    """What this rank holds now, every rank at the same point (the GPU may be shared by several ranks)."""
+def snapshot(group: epjit.Group) -> tuple[dict[str, int], list[str]]:
+    """What this rank holds now, every rank at the same point (the GPU may be shared by several ranks), and its
+    memory maps (the lines of /proc/self/maps)."""
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     cupy.get_default_memory_pool().free_all_blocks()
     cupy.get_default_pinned_memory_pool().free_all_blocks()
     group.barrier()
-    MAPS["now"] = _map_lines()
+    maps = _map_lines()
     found = {"gpu_free_bytes": int(cupy.cuda.runtime.memGetInfo()[0]), **live_resources(),
              "open_fds": _count("/proc/self/fd"), "threads": _count("/proc/self/task"),
-             "file_maps": sum(map(_is_file_map, MAPS["now"])),
-             "anonymous_maps": sum(not _is_file_map(m) for m in MAPS["now"]), "resident_bytes": _resident_bytes()}
+             "file_maps": sum(map(_is_file_map, maps)),
+             "anonymous_maps": sum(not _is_file_map(m) for m in maps), "resident_bytes": _resident_bytes()}
     group.barrier()
-    return found
+    return found, maps
 
 
 def _inputs(group: epjit.Group, cycle: int) -> tuple[Any, Any, Any]:
@@ -216,8 +216,7 @@ def soak(group: epjit.Group, kind: str, cycles: int, warmup: int, explain: bool 
     run = KINDS[kind]
     for cycle in range(warmup):
         run(group, cycle)
-    before = snapshot(group)
-    maps_before = MAPS["now"]
+    before, maps_before = snapshot(group)
     if explain:
         start_types = _live_objects()
         tracemalloc.start(4)
@@ -226,10 +225,10 @@ def soak(group: epjit.Group, kind: str, cycles: int, warmup: int, explain: bool 
     for cycle in range(warmup, warmup + cycles):
         run(group, cycle)
     seconds = time.perf_counter() - start
-    after = snapshot(group)
+    after, maps_after = snapshot(group)
     found = {"kind": kind, "rank": group.rank, "cycles": cycles, "ms_per_cycle": round(1e3 * seconds / cycles, 2),
              "before": before, "change": {name: after[name] - before[name] for name in before},
-             "maps_changed": _map_change(maps_before, MAPS["now"])}
+             "maps_changed": _map_change(maps_before, maps_after)}
     if explain:
         found["python_growth"] = _python_growth(start_trace)
         tracemalloc.stop()
