@@ -85,3 +85,36 @@ def test_python_growth_names_the_line_that_allocated(soak):
         tracemalloc.stop()
     assert any(line.startswith("+") and "test_soak_buffers.py" in line for line in lines), lines
     assert len(kept) == 100
+
+
+def test_soak_reports_the_changes_between_its_snapshots(soak, monkeypatch):
+    """soak() around a stand-in cycle that keeps a 1 MiB anonymous map per cycle: the judged figures stay, and the
+    anonymous maps that came are listed (as new maps, or as a neighbour that grew: the kernel merges them)."""
+    import mmap
+
+    kept: list[mmap.mmap] = []
+
+    def cycle(group, n):
+        # private and anonymous, like an allocator's arena (a shared one shows as "/dev/zero (deleted)": a file)
+        kept.append(mmap.mmap(-1, 1 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+        kept[-1][0] = 1  # touch it
+
+    class Group:
+        rank = 0
+
+        def barrier(self):
+            pass
+
+    pools = types.SimpleNamespace(free_all_blocks=lambda: None)
+    monkeypatch.setattr(soak, "cupy", types.SimpleNamespace(
+        get_default_memory_pool=lambda: pools, get_default_pinned_memory_pool=lambda: pools,
+        cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(memGetInfo=lambda: (1 << 30, 1 << 31)))))
+    monkeypatch.setattr(soak, "torch", types.SimpleNamespace(cuda=types.SimpleNamespace(
+        synchronize=lambda: None, empty_cache=lambda: None)))
+    monkeypatch.setitem(soak.KINDS, "stand-in", cycle)
+    found = soak.soak(Group(), "stand-in", cycles=3, warmup=1, explain=True)
+    assert found["cycles"] == 3 and len(kept) == 4
+    assert found["change"]["gpu_free_bytes"] == 0 and found["change"]["file_maps"] == 0
+    assert found["change"]["anonymous_maps"] <= 3
+    assert any(line.startswith("+") and "[anonymous]" in line for line in found["maps_changed"]), found
+    assert any("mmap.mmap" in line for line in found["python_growth"]), found["python_growth"]
