@@ -374,7 +374,7 @@ class PeerMemory:
     sym: SymmetricHeap | IpcHeap | None
     wait_record: WaitRecord
     table: Any  # cupy uint8 array of PEERS_TABLE_BYTES in device memory
-    setup_seconds: dict[str, float]  # where set-up time went: ipc, nvshmem (init + heap), table
+    setup_seconds: dict[str, float]  # set-up seconds: nvl, symmetric (NVSHMEM init + heap, or IPC), table
 
     @classmethod
     def create(cls, group: Group, num_nvl_bytes: int, num_rdma_bytes: int, timeout_s: float | None = None,
@@ -422,7 +422,7 @@ class PeerMemory:
             raise
         t3 = time.perf_counter()
         return cls(group, nvl, sym, record, table,
-                   {"ipc": round(t1 - t0, 3), "nvshmem": round(t2 - t1, 3), "table": round(t3 - t2, 3)})
+                   {"nvl": round(t1 - t0, 3), "symmetric": round(t2 - t1, 3), "table": round(t3 - t2, 3)})
 
     @property
     def table_ptr(self) -> int:
