@@ -12,7 +12,9 @@
 //   48  void*  sym_base (my copy of the symmetric allocation)
 //   56  int32  wait_claim (the first waiter that times out takes it with a CAS) 60 int32 pad
 //   64  void*  nvl[kMaxNvlRanks]        IPC pointer to NVLink buffer of nvl rank i (mine included)
-//   128 void*  sym_peer[kMaxRanks]      nvshmem_ptr(sym_base, pe), or nullptr where only RDMA reaches it
+//   128 void*  sym_peer[kMaxRanks]      pe's copy as mapped here: nvshmem_ptr(sym_base, pe) on NVSHMEM's heap, the
+//                                       IPC mapping inside one node (epjit.memory.IpcHeap), or nullptr where only
+//                                       RDMA reaches it
 //
 // Every NVLink buffer begins with kNvlHeaderBytes of control words (below); payload starts after them. They are
 // zeroed once, when the buffer is made, and every barrier leaves its words at zero again.

@@ -1,9 +1,10 @@
 """Buffer: the user API of epjit: argument validation, and delegation to the kernel families (epjit.ops).
 
-A Buffer owns the peer memory (CUDA IPC NVLink buffers, optionally the NVSHMEM heap), a communication stream and
-the kernels. Every call validates its arguments before any kernel runs; arguments that must agree across ranks
-(hidden, num_experts, top-k, FP8 or not) are compared inside the notify step, so a mismatch raises on every rank
-instead of hanging one. Streams and events: epjit.ops.streams.
+A Buffer owns the peer memory (CUDA IPC NVLink buffers; the symmetric region of num_rdma_bytes, on CUDA IPC memory
+inside one NVLink node and on NVSHMEM's heap across nodes), a communication stream and the kernels. Every call
+validates its arguments before any kernel runs; arguments that must agree across ranks (hidden, num_experts, top-k,
+FP8 or not) are compared inside the notify step, so a mismatch raises on every rank instead of hanging one.
+Streams and events: epjit.ops.streams.
 
 Validation is done once per shape: each call's arrays are reduced to a fingerprint (framework, dtype, shape,
 contiguity, device: epjit.arrays.fingerprint), and a call whose fingerprints and arguments were validated before
@@ -42,7 +43,7 @@ from .kernels.low_latency import (
     dispatch_shared_bytes,
     low_latency_size_hint,
 )
-from .memory import PeerMemory
+from .memory import PeerMemory, symmetric_memory
 from .ops.internode import Internode
 from .ops.intranode import CombineResult, DispatchHandle, DispatchInputs, DispatchResult, Intranode, LayoutInputs
 from .ops.layout import DispatchLayout, Layout
@@ -94,7 +95,8 @@ class Buffer:
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self._settings = settings()  # read once: the environment is not re-read on the hot path
         self._device = group.device
-        self.mem = PeerMemory.create(group, self.num_nvl_bytes, self.num_rdma_bytes)
+        where = symmetric_memory(group, self._settings.ll_force_puts, self._settings.one_node_nvshmem)
+        self.mem = PeerMemory.create(group, self.num_nvl_bytes, self.num_rdma_bytes, symmetric=where)
         self._normal_ops: Intranode | None = None  # the normal-mode family: Intranode, or Internode across nodes
         self._ll: LowLatency | None = None
         try:

@@ -41,6 +41,7 @@ class Settings:
     profile: bool
     collective_timeout_s: float | None = None
     ll_force_puts: bool = False
+    one_node_nvshmem: bool = False
     ll_num_sms: int = 0
     share_gpus: bool = False
 
@@ -68,6 +69,9 @@ def settings() -> Settings:
         # Low-latency kernels: use NVSHMEM puts and signals even where NVLink gives a direct pointer (how the
         # put path, which a cluster without NVLink between nodes takes, is tested on one node).
         ll_force_puts=os.environ.get("EPJIT_LL_FORCE_PUTS", "0") not in ("", "0"),
+        # Inside one NVLink node a Buffer's symmetric region (num_rdma_bytes: the low-latency buffers) is CUDA IPC
+        # memory and NVSHMEM never starts; this keeps it on NVSHMEM's heap instead (to compare the two).
+        one_node_nvshmem=os.environ.get("EPJIT_ONE_NODE_NVSHMEM", "0") not in ("", "0"),
         # Blocks (one per SM) of a low-latency kernel; 0: min(SMs, 128). For tuning sweeps.
         ll_num_sms=int(_float("EPJIT_LL_NUM_SMS", 0)),
         # Tests only: run more ranks on a host than it has GPUs, rank i on GPU local_rank % GPUs (4 ranks on a

@@ -201,6 +201,36 @@ class NvlBuffer:
         self._release()
 
 
+def symmetric_memory(group: Group, force_puts: bool = False, one_node_nvshmem: bool = False) -> str:
+    """Where a Buffer's symmetric region belongs: "ipc" inside one NVLink node, where every peer is reached by
+    pointer and NVSHMEM need not start (no init, no library needed); "nvshmem" across nodes (puts), when puts are
+    forced (EPJIT_LL_FORCE_PUTS) or when EPJIT_ONE_NODE_NVSHMEM asks for NVSHMEM's heap anyway."""
+    return "nvshmem" if group.num_nvl_ranks < group.size or force_puts or one_node_nvshmem else "ipc"
+
+
+class IpcHeap:
+    """The symmetric region of a group inside one NVLink node, on CUDA IPC memory instead of NVSHMEM's heap: every
+    rank allocates the same size and maps every peer's, so an offset means the same place on every rank and every
+    peer has a load/store pointer. Kernels that reach all their peers by pointer (the low-latency build without
+    NVSHMEM's device library) need nothing more, and NVSHMEM never starts. Zeroed, like the heap."""
+
+    has_direct_peers = True
+
+    def __init__(self, group: Group, num_bytes: int) -> None:
+        if group.num_nvl_ranks != group.size:
+            raise SetupError(with_rank(f"CUDA IPC reaches one NVLink node, and this group spans "
+                                       f"{group.size // group.num_nvl_ranks} of {group.num_nvl_ranks} ranks: "
+                                       "its symmetric memory must be NVSHMEM's heap"))
+        self.num_bytes = _round_up(int(num_bytes))
+        self._buffer = NvlBuffer(group, self.num_bytes)  # its header (barrier signals) stays unused
+        self.base = self._buffer.base + NVL_HEADER_BYTES
+        self.peer_ptrs = [ptr + NVL_HEADER_BYTES for ptr in self._buffer.peer_ptrs]  # one node: rank = nvl rank
+
+    def close(self) -> None:
+        """Collective, like NvlBuffer.close."""
+        self._buffer.close()
+
+
 # NVSHMEM is initialised by the first heap of a group and finalised when that group closes, not when its last
 # heap does: an init/finalize pair costs ~1.7 s and keeps ~2 MiB of device memory that NVSHMEM never gives back
 # (measured on an H100), which a process making low-latency Buffers one after another would pay every time.
@@ -341,14 +371,18 @@ class PeerMemory:
 
     group: Group
     nvl: NvlBuffer | None
-    sym: SymmetricHeap | None
+    sym: SymmetricHeap | IpcHeap | None
     wait_record: WaitRecord
     table: Any  # cupy uint8 array of PEERS_TABLE_BYTES in device memory
-    setup_seconds: dict[str, float]  # where set-up time went: ipc, nvshmem (init + heap), table
+    setup_seconds: dict[str, float]  # set-up seconds: nvl, symmetric (NVSHMEM init + heap, or IPC), table
 
     @classmethod
-    def create(cls, group: Group, num_nvl_bytes: int, num_rdma_bytes: int,
-               timeout_s: float | None = None) -> PeerMemory:
+    def create(cls, group: Group, num_nvl_bytes: int, num_rdma_bytes: int, timeout_s: float | None = None,
+               symmetric: str = "nvshmem") -> PeerMemory:
+        """``symmetric``: where the ``num_rdma_bytes`` region lives, "nvshmem" (its heap: puts and signals work)
+        or "ipc" (CUDA IPC memory, one NVLink node only: pointers only, NVSHMEM never starts)."""
+        if symmetric not in ("nvshmem", "ipc"):
+            raise ValueError(f"symmetric={symmetric!r}: expected 'nvshmem' or 'ipc'")
         if group.device is None:
             raise SetupError(with_rank("peer memory needs a GPU, and epjit.init() bound none on this rank"))
         if group.num_nvl_ranks > MAX_NVL_RANKS:
@@ -363,7 +397,8 @@ class PeerMemory:
             record = WaitRecord()
             nvl = NvlBuffer(group, num_nvl_bytes) if num_nvl_bytes > 0 else None
             t1 = time.perf_counter()
-            sym = SymmetricHeap(group, num_rdma_bytes) if num_rdma_bytes > 0 else None
+            heap = IpcHeap if symmetric == "ipc" else SymmetricHeap
+            sym = heap(group, num_rdma_bytes) if num_rdma_bytes > 0 else None
             t2 = time.perf_counter()
             host = np.zeros(PEERS_TABLE_BYTES, dtype=np.uint8)
             o = PEERS_TABLE_OFFSETS
@@ -387,7 +422,7 @@ class PeerMemory:
             raise
         t3 = time.perf_counter()
         return cls(group, nvl, sym, record, table,
-                   {"ipc": round(t1 - t0, 3), "nvshmem": round(t2 - t1, 3), "table": round(t3 - t2, 3)})
+                   {"nvl": round(t1 - t0, 3), "symmetric": round(t2 - t1, 3), "table": round(t3 - t2, 3)})
 
     @property
     def table_ptr(self) -> int:
@@ -418,7 +453,8 @@ class PeerMemory:
         raise EpjitError(with_rank(f"CUDA error while waiting for epjit kernels: {error}")) from error
 
     def close(self) -> None:
-        """Collective. Closes the NVSHMEM heap, the IPC mappings and the wait record."""
+        """Collective. Closes the symmetric region (NVSHMEM's heap or IPC memory), the IPC mappings and the wait
+        record."""
         if self.table is None:
             return
         try:

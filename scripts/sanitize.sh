@@ -7,13 +7,14 @@
 # epjit.launch, which needs the GPUs to run both ranks' instrumented kernels at once):
 #   normal       scripts/soak_buffers.py, two normal-mode cycles: the layout kernel, intranode notify, dispatch and
 #                combine, in bf16 and in FP8 (NVLink buffers only: no NVSHMEM)
-#   low-latency  two low-latency cycles: dispatch and combine in bf16 and FP8 (NVLink stores; NVSHMEM heap)
-#   ll-puts      the low-latency cycles again through NVSHMEM puts (EPJIT_LL_FORCE_PUTS=1)
+#   low-latency  two low-latency cycles: dispatch and combine in bf16 and FP8 (NVLink stores into the symmetric
+#                region, CUDA IPC memory in one node: no NVSHMEM)
+#   ll-puts      the low-latency cycles again through NVSHMEM puts (EPJIT_LL_FORCE_PUTS=1: NVSHMEM's heap)
 #   peer-memory  tests/ranks/peer_memory.py: the NVLink barrier and exchange, NVSHMEM put + signal
 #   internode    two internode cycles (soak_buffers.py --kinds internode) on 2 ranks as 2 NVLink nodes of 1: the
 #                internode notify, dispatch and combine (always 2 ranks: one rank is no pair of nodes)
-# The cases on the NVSHMEM heap start NVSHMEM, whose initialisation under compute-sanitizer ran for minutes
-# without finishing on an H100 (NVSHMEM 3.8): SANITIZE_CASE_TIMEOUT (seconds, default 900) bounds each case,
+# The cases on the NVSHMEM heap (ll-puts, peer-memory, internode) start NVSHMEM, whose initialisation under
+# compute-sanitizer ran for minutes without finishing on H100 and H200 (NVSHMEM 3.8): SANITIZE_CASE_TIMEOUT (seconds, default 900) bounds each case,
 # and a case cut short prints "timeout" in the errors column.
 # Prints a line per tool and case: the errors compute-sanitizer reported in kernels (summed over the ranks; CUDA
 # API calls that fail on purpose, such as cuda-python probing for driver entry points, are not reported) and the

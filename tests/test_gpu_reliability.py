@@ -30,13 +30,14 @@ def test_buffers_made_and_closed_leak_nothing(nodes):
 
 
 def test_kernels_clean_under_compute_sanitizer():
-    """memcheck, racecheck, synccheck and initcheck over the normal-mode kernels (scripts/sanitize.sh's normal case:
-    the kernels that need no NVSHMEM, which does not start under compute-sanitizer: docs/reliability.md)."""
+    """memcheck, racecheck, synccheck and initcheck over the kernels that need no NVSHMEM (which does not start under
+    compute-sanitizer: docs/reliability.md): scripts/sanitize.sh's normal case (layout, notify, dispatch, combine)
+    and its low-latency case (one node: the symmetric region on CUDA IPC memory)."""
     require_gpus(1)
     if shutil.which("compute-sanitizer") is None:
         pytest.skip("compute-sanitizer is not on PATH (it comes with the CUDA toolkit)")
-    env = {**os.environ, "SANITIZE_CASES": "normal"}
+    env = {**os.environ, "SANITIZE_CASES": "normal low-latency"}
     proc = subprocess.run(["bash", "scripts/sanitize.sh", "memcheck", "racecheck", "synccheck", "initcheck"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=400)
+                          env=env, capture_output=True, text=True, timeout=800)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     print(proc.stdout)

@@ -1,6 +1,7 @@
-"""Low-latency mode (decode): every (token, chosen expert) goes straight to a fixed slot of the expert's rank on the
-NVSHMEM symmetric heap, with no count pass; combine writes the expert outputs back into per-(token, k) slots at home
-and reduces them with the gate weights (cuda_src/low_latency.cu, docs/layouts.md).
+"""Low-latency mode (decode): every (token, chosen expert) goes straight to a fixed slot of the expert's rank in the
+symmetric region (CUDA IPC memory inside one NVLink node, NVSHMEM's heap across nodes), with no count pass; combine
+writes the expert outputs back into per-(token, k) slots at home and reduces them with the gate weights
+(cuda_src/low_latency.cu, docs/layouts.md).
 
 This module owns the family's protocol constants and status bits, the status words the kernels report through,
 the two buffer sets and their receive hooks, the outputs and the launches. Validation is the Buffer's: what reaches
@@ -32,7 +33,7 @@ from ..kernels.low_latency import (
     dispatch_shared_bytes,
     low_latency_size_hint,
 )
-from ..memory import MappedHostArray, PeerMemory, SymmetricHeap
+from ..memory import IpcHeap, MappedHostArray, PeerMemory, SymmetricHeap
 from .loader import load
 from .profile import Profile
 from .streams import Event, Outputs, Streams, caller_stream
@@ -57,7 +58,7 @@ def _cupy() -> Any:
     return cupy
 
 
-def needs_puts(force_puts: bool, heap: SymmetricHeap | None) -> bool:
+def needs_puts(force_puts: bool, heap: SymmetricHeap | IpcHeap | None) -> bool:
     """Whether the kernels need their build with NVSHMEM puts (LowLatencyPutsSpec): puts forced, or a peer without
     an NVLink pointer. The build without NVSHMEM's device library launches faster (docs/history.md)."""
     return force_puts or heap is None or not heap.has_direct_peers

@@ -1,0 +1,120 @@
+"""The symmetric region inside one NVLink node on CUDA IPC memory (epjit.memory.IpcHeap), on the CPU with a
+stand-in for CuPy's runtime: which Buffers get it (one node, puts not forced, NVSHMEM not asked for), the pointers it
+gives the kernels (every peer's, past the header, at the same offsets), that NVSHMEM never starts for it, that it
+refuses a group across nodes, and that closing it gives back the allocation and every mapping."""
+
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Iterator
+
+import pytest
+
+from epjit import memory
+from epjit.errors import SetupError
+from epjit.memory import NVL_HEADER_BYTES, IpcHeap, PeerMemory, symmetric_memory
+from epjit.ops.low_latency import needs_puts
+
+
+class FakeRuntime:
+    """What an IPC region asks of cupy.cuda.runtime: allocations, handles, mappings, each counted."""
+
+    cudaIpcMemLazyEnablePeerAccess = 1
+
+    def __init__(self) -> None:
+        self.allocated: dict[int, int] = {}  # base -> bytes
+        self.mapped: set[int] = set()
+        self.next = 1 << 40
+
+    def malloc(self, num_bytes: int) -> int:
+        self.next += 1 << 32
+        self.allocated[self.next] = num_bytes
+        return self.next
+
+    def free(self, base: int) -> None:
+        del self.allocated[base]
+
+    def memset(self, base: int, value: int, num_bytes: int) -> None:
+        assert value == 0 and num_bytes <= self.allocated[base]
+
+    def deviceSynchronize(self) -> None:  # noqa: N802 (CUDA's name)
+        pass
+
+    def ipcGetMemHandle(self, base: int) -> bytes:  # noqa: N802
+        return base.to_bytes(64, "little")
+
+    def ipcOpenMemHandle(self, handle: bytes, flags: int) -> int:  # noqa: N802
+        ptr = (1 << 46) + int.from_bytes(handle, "little")  # where the peer's allocation lands in this process
+        self.mapped.add(ptr)
+        return ptr
+
+    def ipcCloseMemHandle(self, ptr: int) -> None:  # noqa: N802
+        self.mapped.remove(ptr)
+
+
+class FakeGroup:
+    """Rank 1 of ``size`` ranks in NVLink nodes of ``num_nvl_ranks``; every peer's handle names its own base."""
+
+    def __init__(self, size: int = 4, num_nvl_ranks: int = 4) -> None:
+        self.rank, self.size, self.device = 1, size, 0
+        self.num_nvl_ranks, self.nvl_node, self.nvl_rank = num_nvl_ranks, 1 // num_nvl_ranks, 1 % num_nvl_ranks
+        self.barriers = 0
+
+    def allgather_bytes(self, data: bytes) -> list[bytes]:
+        mine = int.from_bytes(data, "little")
+        return [(mine + (r - self.rank) * 0x1000).to_bytes(64, "little") for r in range(self.size)]
+
+    def barrier(self) -> None:
+        self.barriers += 1
+
+
+@pytest.fixture
+def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeRuntime]:
+    rt = FakeRuntime()
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(runtime=rt)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    # NVSHMEM must not be touched: importing it fails here
+    monkeypatch.setitem(sys.modules, "nvshmem", None)
+    monkeypatch.setattr(memory, "_live", {"mapped_host_bytes": 0, "ipc_mappings": 0, "nvl_buffer_bytes": 0,
+                                          "heap_bytes": 0})
+    yield rt
+
+
+def test_one_node_buffers_get_ipc_memory_unless_puts_or_nvshmem_are_asked_for():
+    assert symmetric_memory(FakeGroup(4, 4)) == "ipc"
+    assert symmetric_memory(FakeGroup(4, 2)) == "nvshmem"  # two nodes: puts to the other
+    assert symmetric_memory(FakeGroup(4, 1)) == "nvshmem"
+    assert symmetric_memory(FakeGroup(4, 4), force_puts=True) == "nvshmem"
+    assert symmetric_memory(FakeGroup(4, 4), one_node_nvshmem=True) == "nvshmem"
+
+
+def test_every_peer_by_pointer_past_the_header_and_no_nvshmem(runtime):
+    group = FakeGroup()
+    heap = IpcHeap(group, 1000)
+    (own,) = runtime.allocated
+    assert heap.base == own + NVL_HEADER_BYTES
+    assert heap.num_bytes == memory._round_up(1000) >= 1000
+    assert runtime.allocated[own] == NVL_HEADER_BYTES + heap.num_bytes
+    assert heap.peer_ptrs[group.rank] == heap.base
+    assert heap.peer_ptrs == [(1 << 46) + own + (r - 1) * 0x1000 + NVL_HEADER_BYTES if r != 1 else heap.base
+                              for r in range(4)]
+    assert heap.has_direct_peers and not needs_puts(False, heap) and needs_puts(True, heap)
+    assert memory.live_resources()["ipc_mappings"] == 3
+    assert memory.live_resources()["nvshmem_initialised"] == 0 and memory.live_resources()["heap_bytes"] == 0
+    heap.close()
+    assert runtime.allocated == {} and runtime.mapped == set()
+    assert memory.live_resources()["ipc_mappings"] == 0 and memory.live_resources()["nvl_buffer_bytes"] == 0
+    assert group.barriers == 2  # after the handles were opened, and before freeing: no peer still writes
+
+
+def test_a_group_across_nodes_is_refused_before_anything_is_allocated(runtime):
+    with pytest.raises(SetupError, match="spans 2 of 2 ranks.*NVSHMEM's heap"):
+        IpcHeap(FakeGroup(4, 2), 1000)
+    assert runtime.allocated == {}
+
+
+def test_peer_memory_names_the_symmetric_kinds():
+    with pytest.raises(ValueError, match="symmetric='ucx'"):
+        PeerMemory.create(FakeGroup(), 0, 1 << 20, symmetric="ucx")
