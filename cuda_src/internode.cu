@@ -16,19 +16,19 @@
 //             returns heads. The forwarding block: a group a home node sums, for each token it forwarded, the rows
 //             of its node in float32 and puts the bf16 partial into the RDMA ring back home, each warp its chunks.
 //
-// Memory ordering. RDMA: staging stores by a warp -> __syncwarp -> fence -> that warp's put with signal, which
-// NVSHMEM delivers after the data; the reader's ld.acquire.sys of the chunk flag -> its group's barrier -> the
-// slots. Heads are signal ADDs sent once the reads returned. NVLink: data stores -> the group's barrier ->
-// st.release.sys of the tail; ld.acquire.sys of the tail -> barrier -> the slots; heads relaxed after the reads
-// returned (as intranode).
+// Memory ordering. RDMA (rdma.cuh): staging stores by a warp -> __syncwarp -> fence -> that warp's put with signal,
+// which NVSHMEM delivers after the data (the build with stores: the warp's stores, then a release of the signal);
+// the reader's ld.acquire.sys of the chunk flag -> its group's barrier -> the slots. Heads are signal ADDs sent once
+// the reads returned. NVLink: data stores -> the group's barrier -> st.release.sys of the tail; ld.acquire.sys of
+// the tail -> barrier -> the slots; heads relaxed after the reads returned (as intranode).
 #include "bf16.cuh"
 #include "barrier.cuh"
 #include "channels.cuh"
 #include "copy.cuh"
 #include "internode.cuh"
-#include "nvshmem.cuh"
 #include "placement.cuh"
 #include "ptx.cuh"
+#include "rdma.cuh"
 #include "status.cuh"
 #include "wait.cuh"
 
@@ -107,7 +107,7 @@ __device__ __forceinline__ void send_head(const InternodeCall& call, int node_, 
     if (node_ == call.node)
         ptx::red_add_release_sys_u64(word, delta);
     else
-        nvshmemx_signal_op(word, delta, NVSHMEM_SIGNAL_ADD, call.rail_peer(node_));
+        rdma_signal(call.peers, word, delta, SignalOp::kAdd, call.rail_peer(node_));
 }
 
 // Put positions [from, to) of the ring me -> node_ (one chunk, or its start) from staging to node_'s receive half,
@@ -120,10 +120,9 @@ __device__ __forceinline__ void put_chunk(const InternodeCall& call, int node_, 
         return;
     }
     const int64_t s = call.chunks.slot(from);
-    nvshmemx_putmem_signal_nbi_warp(call.heap.recv_slot(call.channel, call.node, s),
-                                    call.heap.send_slot(call.channel, node_, s),
-                                    static_cast<size_t>((to - from) * call.slot), flag, static_cast<uint64_t>(to),
-                                    NVSHMEM_SIGNAL_SET, call.rail_peer(node_));
+    rdma_put_signal_warp(call.peers, call.heap.recv_slot(call.channel, call.node, s),
+                         call.heap.send_slot(call.channel, node_, s), static_cast<size_t>((to - from) * call.slot),
+                         flag, static_cast<uint64_t>(to), SignalOp::kSet, call.rail_peer(node_), lane);
 }
 
 // A received token message (RDMA or NVLink slot, peer-written: volatile loads) into row `row` of dispatch's outputs,
@@ -224,9 +223,8 @@ __global__ void internode_notify(const PeersTable* peers, const int* num_tokens_
             __syncwarp();
             if (lane == 0) ptx::st_release_sys_u64(signal, epoch);
         } else {
-            nvshmemx_putmem_signal_nbi_warp(heap.notify_area(area, node), heap.staging_area(area, m),
-                                            static_cast<size_t>(msg_bytes), signal, epoch, NVSHMEM_SIGNAL_SET,
-                                            m * V + i);
+            rdma_put_signal_warp(peers, heap.notify_area(area, node), heap.staging_area(area, m),
+                                 static_cast<size_t>(msg_bytes), signal, epoch, SignalOp::kSet, m * V + i, lane);
         }
     }
     // 2. The rail's messages.

@@ -95,7 +95,8 @@ class Buffer:
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self._settings = settings()  # read once: the environment is not re-read on the hot path
         self._device = group.device
-        where = symmetric_memory(group, self._settings.ll_force_puts, self._settings.one_node_nvshmem)
+        where = symmetric_memory(group, self._settings.ll_force_puts, self._settings.one_node_nvshmem,
+                                 self._settings.rdma_by_stores)
         self.mem = PeerMemory.create(group, self.num_nvl_bytes, self.num_rdma_bytes, symmetric=where)
         self._normal_ops: Intranode | None = None  # the normal-mode family: Intranode, or Internode across nodes
         self._ll: LowLatency | None = None

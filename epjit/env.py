@@ -42,6 +42,7 @@ class Settings:
     collective_timeout_s: float | None = None
     ll_force_puts: bool = False
     one_node_nvshmem: bool = False
+    rdma_by_stores: bool = False
     ll_num_sms: int = 0
     share_gpus: bool = False
 
@@ -72,6 +73,10 @@ def settings() -> Settings:
         # Inside one NVLink node a Buffer's symmetric region (num_rdma_bytes: the low-latency buffers) is CUDA IPC
         # memory and NVSHMEM never starts; this keeps it on NVSHMEM's heap instead (to compare the two).
         one_node_nvshmem=os.environ.get("EPJIT_ONE_NODE_NVSHMEM", "0") not in ("", "0"),
+        # Virtual nodes on one host (num_nvl_ranks below the ranks): the symmetric region on CUDA IPC memory every
+        # rank maps and the internode kernels' RDMA leg as NVLink stores, so NVSHMEM never starts (for
+        # compute-sanitizer, under which NVSHMEM does not start, and hosts without NVSHMEM). Refused across hosts.
+        rdma_by_stores=os.environ.get("EPJIT_RDMA_BY_STORES", "0") not in ("", "0"),
         # Blocks (one per SM) of a low-latency kernel; 0: min(SMs, 128). For tuning sweeps.
         ll_num_sms=int(_float("EPJIT_LL_NUM_SMS", 0)),
         # Tests only: run more ranks on a host than it has GPUs, rank i on GPU local_rank % GPUs (4 ranks on a

@@ -138,12 +138,13 @@ class WaitRecord(MappedHostArray):
 
 
 class NvlBuffer:
-    """A device buffer per rank, mapped into every rank of the same NVLink node through CUDA IPC handles.
+    """A device buffer per rank, mapped into every rank of the same NVLink node through CUDA IPC handles
+    (``whole_group``: into every rank of the group, which must be on one host; ``peer_ptrs`` is then by rank).
 
     Layout: ``kNvlHeaderBytes`` of control words (barrier signals first), then ``num_bytes`` of payload.
     """
 
-    def __init__(self, group: Group, num_bytes: int) -> None:
+    def __init__(self, group: Group, num_bytes: int, whole_group: bool = False) -> None:
         import cupy
 
         rt = cupy.cuda.runtime
@@ -162,12 +163,13 @@ class NvlBuffer:
             rt.deviceSynchronize()
             handle = bytes(rt.ipcGetMemHandle(self.base))
             handles = group.allgather_bytes(handle)
-            first = group.nvl_node * group.num_nvl_ranks
-            for nvl_rank in range(group.num_nvl_ranks):
-                if nvl_rank == group.nvl_rank:
+            first, count = (0, group.size) if whole_group else (group.nvl_node * group.num_nvl_ranks,
+                                                                 group.num_nvl_ranks)
+            for rank in range(first, first + count):
+                if rank == group.rank:
                     self.peer_ptrs.append(self.base)
                     continue
-                ptr = rt.ipcOpenMemHandle(handles[first + nvl_rank], rt.cudaIpcMemLazyEnablePeerAccess)
+                ptr = rt.ipcOpenMemHandle(handles[rank], rt.cudaIpcMemLazyEnablePeerAccess)
                 self._opened.append(ptr)
                 _live["ipc_mappings"] += 1
                 self.peer_ptrs.append(ptr)
@@ -201,30 +203,43 @@ class NvlBuffer:
         self._release()
 
 
-def symmetric_memory(group: Group, force_puts: bool = False, one_node_nvshmem: bool = False) -> str:
+def symmetric_memory(group: Group, force_puts: bool = False, one_node_nvshmem: bool = False,
+                     rdma_by_stores: bool = False) -> str:
     """Where a Buffer's symmetric region belongs: "ipc" inside one NVLink node, where every peer is reached by
-    pointer and NVSHMEM need not start (no init, no library needed); "nvshmem" across nodes (puts), when puts are
-    forced (EPJIT_LL_FORCE_PUTS) or when EPJIT_ONE_NODE_NVSHMEM asks for NVSHMEM's heap anyway."""
+    pointer and NVSHMEM need not start (no init, no library needed), and for virtual nodes on one host with
+    EPJIT_RDMA_BY_STORES; "nvshmem" across nodes (puts), when puts are forced (EPJIT_LL_FORCE_PUTS) or when
+    EPJIT_ONE_NODE_NVSHMEM asks for NVSHMEM's heap anyway. SetupError where EPJIT_RDMA_BY_STORES cannot hold."""
+    if rdma_by_stores:
+        hosts = len(set(group.hosts))
+        if hosts > 1:
+            raise SetupError(with_rank(f"EPJIT_RDMA_BY_STORES=1 maps every rank's memory into every other through "
+                                       f"CUDA IPC, which reaches one host, and this group spans {hosts}: unset it"))
+        if force_puts:
+            raise SetupError(with_rank("EPJIT_RDMA_BY_STORES=1 starts no NVSHMEM, and EPJIT_LL_FORCE_PUTS=1 asks "
+                                       "for NVSHMEM's puts: set one of them"))
+        return "ipc"
     return "nvshmem" if group.num_nvl_ranks < group.size or force_puts or one_node_nvshmem else "ipc"
 
 
 class IpcHeap:
-    """The symmetric region of a group inside one NVLink node, on CUDA IPC memory instead of NVSHMEM's heap: every
-    rank allocates the same size and maps every peer's, so an offset means the same place on every rank and every
-    peer has a load/store pointer. Kernels that reach all their peers by pointer (the low-latency build without
-    NVSHMEM's device library) need nothing more, and NVSHMEM never starts. Zeroed, like the heap."""
+    """The symmetric region of a group on one host, on CUDA IPC memory instead of NVSHMEM's heap: every rank
+    allocates the same size and maps every peer's, so an offset means the same place on every rank and every peer
+    has a load/store pointer. Kernels that reach all their peers by pointer (the low-latency build without
+    NVSHMEM's device library, the internode build with the RDMA leg as stores) need nothing more, and NVSHMEM
+    never starts. Zeroed, like the heap. One NVLink node, or (virtual nodes) every rank of the group on one host."""
 
     has_direct_peers = True
 
     def __init__(self, group: Group, num_bytes: int) -> None:
-        if group.num_nvl_ranks != group.size:
-            raise SetupError(with_rank(f"CUDA IPC reaches one NVLink node, and this group spans "
-                                       f"{group.size // group.num_nvl_ranks} of {group.num_nvl_ranks} ranks: "
-                                       "its symmetric memory must be NVSHMEM's heap"))
+        hosts = len(set(group.hosts))
+        if hosts > 1:
+            raise SetupError(with_rank(f"CUDA IPC reaches one host, and this group spans {hosts}: its symmetric "
+                                       "memory must be NVSHMEM's heap"))
         self.num_bytes = _round_up(int(num_bytes))
-        self._buffer = NvlBuffer(group, self.num_bytes)  # its header (barrier signals) stays unused
+        # Its header (barrier signals) stays unused. peer_ptrs by rank: the whole group, on one host.
+        self._buffer = NvlBuffer(group, self.num_bytes, whole_group=True)
         self.base = self._buffer.base + NVL_HEADER_BYTES
-        self.peer_ptrs = [ptr + NVL_HEADER_BYTES for ptr in self._buffer.peer_ptrs]  # one node: rank = nvl rank
+        self.peer_ptrs = [ptr + NVL_HEADER_BYTES for ptr in self._buffer.peer_ptrs]
 
     def close(self) -> None:
         """Collective, like NvlBuffer.close."""
@@ -380,7 +395,7 @@ class PeerMemory:
     def create(cls, group: Group, num_nvl_bytes: int, num_rdma_bytes: int, timeout_s: float | None = None,
                symmetric: str = "nvshmem") -> PeerMemory:
         """``symmetric``: where the ``num_rdma_bytes`` region lives, "nvshmem" (its heap: puts and signals work)
-        or "ipc" (CUDA IPC memory, one NVLink node only: pointers only, NVSHMEM never starts)."""
+        or "ipc" (CUDA IPC memory, one host only: pointers only, NVSHMEM never starts)."""
         if symmetric not in ("nvshmem", "ipc"):
             raise ValueError(f"symmetric={symmetric!r}: expected 'nvshmem' or 'ipc'")
         if group.device is None:

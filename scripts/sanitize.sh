@@ -12,10 +12,14 @@
 #   ll-puts      the low-latency cycles again through NVSHMEM puts (EPJIT_LL_FORCE_PUTS=1: NVSHMEM's heap)
 #   peer-memory  tests/ranks/peer_memory.py: the NVLink barrier and exchange, NVSHMEM put + signal
 #   internode    two internode cycles (soak_buffers.py --kinds internode) on 2 ranks as 2 NVLink nodes of 1: the
-#                internode notify, dispatch and combine (always 2 ranks: one rank is no pair of nodes)
-# The cases on the NVSHMEM heap (ll-puts, peer-memory, internode) start NVSHMEM, whose initialisation under
-# compute-sanitizer ran for minutes without finishing on H100 and H200 (NVSHMEM 3.8): SANITIZE_CASE_TIMEOUT (seconds, default 900) bounds each case,
-# and a case cut short prints "timeout" in the errors column.
+#                internode notify, dispatch and combine, with the RDMA leg as NVLink stores through CUDA IPC memory
+#                (EPJIT_RDMA_BY_STORES=1: the kernels' build without NVSHMEM; always 2 ranks: one rank is no pair
+#                of nodes)
+#   internode-2x2  the same on 4 ranks as 2 nodes of 2 (the NVLink forwarding rings between a node's ranks too)
+# The cases on NVSHMEM's heap (ll-puts, peer-memory) start NVSHMEM, whose initialisation under compute-sanitizer
+# ran for minutes without finishing on H100 and H200 (NVSHMEM 3.8): SANITIZE_CASE_TIMEOUT (seconds, default 900)
+# bounds each case, and a case cut short prints "timeout" in the errors column. A case of more ranks than GPUs runs
+# with the ranks sharing them (EPJIT_SHARE_GPUS), where instrumented kernels that wait on each other may not end.
 # Prints a line per tool and case: the errors compute-sanitizer reported in kernels (summed over the ranks; CUDA
 # API calls that fail on purpose, such as cuda-python probing for driver entry points, are not reported) and the
 # exit code; logs under $OUT, where the soak's --progress lines show how far an instrumented run got. Exits 1 when a
@@ -40,15 +44,17 @@ runner() {  # the command that starts a case's ranks (this many)
   fi
 }
 [ -n "${SANITIZE_STACK_DUMP_S:-}" ] && export STACK_DUMP_S=$SANITIZE_STACK_DUMP_S
-[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge "$(( ranks > 2 ? ranks : 2 ))" ] || export EPJIT_SHARE_GPUS=1
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 declare -A CASES=(
   [normal]="scripts/soak_buffers.py --kinds normal --cycles 2 --warmup 0 --progress"
   [low-latency]="scripts/soak_buffers.py --kinds low_latency --cycles 2 --warmup 0 --progress"
   [ll-puts]="scripts/soak_buffers.py --kinds low_latency --cycles 2 --warmup 0 --progress"
   [peer-memory]="tests/ranks/peer_memory.py --rounds 2"
   [internode]="scripts/soak_buffers.py --kinds internode --num-nvl-ranks 1 --cycles 2 --warmup 0 --progress"
+  [internode-2x2]="scripts/soak_buffers.py --kinds internode --num-nvl-ranks 2 --cycles 2 --warmup 0 --progress"
 )
-names=${SANITIZE_CASES:-normal low-latency ll-puts peer-memory internode}
+declare -A CASE_RANKS=([internode]=2 [internode-2x2]=4)
+names=${SANITIZE_CASES:-normal low-latency internode internode-2x2 ll-puts peer-memory}
 limit=${SANITIZE_CASE_TIMEOUT:-900}
 # Compile every module first, outside the sanitizer: what it checks is the kernels, not NVRTC.
 python3 -m epjit.jit --check > "$OUT/sanitize-jit${SANITIZE_TAG:+-$SANITIZE_TAG}.log" 2>&1 || { echo "jit --check failed"; exit 1; }
@@ -59,8 +65,9 @@ for tool in "${tools[@]}"; do
     log="$OUT/sanitize-$tool-$name${SANITIZE_TAG:+-$SANITIZE_TAG}.log"
     settings=()
     [ "$name" = ll-puts ] && settings=(EPJIT_LL_FORCE_PUTS=1)
-    case_ranks=$ranks
-    [ "$name" = internode ] && case_ranks=2
+    [[ "$name" = internode* ]] && settings=(EPJIT_RDMA_BY_STORES=1)
+    case_ranks=${CASE_RANKS[$name]:-$ranks}
+    [ "$gpus" -ge "$case_ranks" ] || settings+=(EPJIT_SHARE_GPUS=1)
     start=$(date +%s)
     # shellcheck disable=SC2086  # the case's arguments split on purpose
     timeout "$limit" env "${settings[@]}" compute-sanitizer --tool "$tool" --target-processes all --print-limit 20 \

@@ -1,7 +1,8 @@
 """GPU tier of normal mode across NVLink nodes: tests/ranks/intranode.py's every case against epjit.reference (its
 two-level combine) on virtual nodes of one host (num_nvl_ranks below the ranks: the RDMA leg goes through NVSHMEM
-puts as on a cluster), 2 x 1, 2 x 2, 4 x 1 and, with ranks sharing the GPUs, 2 x 4 and 4 x 2; a CUDA graph of
-worst-token calls; a rail peer that never arrives."""
+puts as on a cluster), 2 x 1, 2 x 2, 4 x 1 and, with ranks sharing the GPUs, 2 x 4 and 4 x 2; up to 4 ranks again
+with the RDMA leg as NVLink stores and no NVSHMEM (EPJIT_RDMA_BY_STORES); a CUDA graph of worst-token calls; a rail
+peer that never arrives."""
 
 from __future__ import annotations
 
@@ -31,6 +32,24 @@ def test_internode_against_reference(n, nvl_ranks, shared):
     assert_normal_results(results, n)
     for r in results:
         assert r["kernels"].startswith(f"internode.num_nodes={n // nvl_ranks},num_nvl_ranks={nvl_ranks}"), r
+    print("\n".join(str(r) for r in results))
+
+
+@pytest.mark.parametrize("n, nvl_ranks, shared", [p for p in TOPOLOGIES if p.values[0] <= 4])
+def test_internode_with_the_rdma_leg_as_nvlink_stores_against_reference(n, nvl_ranks, shared):
+    """EPJIT_RDMA_BY_STORES=1: the symmetric region on CUDA IPC memory every rank maps, the kernels' build with the
+    RDMA leg as NVLink stores (internode_stores.cu), NVSHMEM never started; the same cases, the same answers."""
+    env = placement(n, shared)
+    pytest.importorskip("torch")
+    code, output, results = run_ranks(
+        "launch", n, "tests/ranks/intranode.py", "--num-nvl-ranks", str(nvl_ranks), "--loops", "100",
+        env={"EPJIT_TIMEOUT_S": "60", "EPJIT_RDMA_BY_STORES": "1", **env}, timeout=500)
+    assert code == 0, output[-8000:]
+    assert len(results) == n, output[-4000:]
+    assert_normal_results(results, n)
+    for r in results:
+        assert r["symmetric"] == "IpcHeap" and r["nvshmem_initialised"] == 0, r
+        assert set(r["modules"]) == {"internode_stores"}, r
     print("\n".join(str(r) for r in results))
 
 

@@ -1,7 +1,8 @@
-"""The symmetric region inside one NVLink node on CUDA IPC memory (epjit.memory.IpcHeap), on the CPU with a
-stand-in for CuPy's runtime: which Buffers get it (one node, puts not forced, NVSHMEM not asked for), the pointers it
-gives the kernels (every peer's, past the header, at the same offsets), that NVSHMEM never starts for it, that it
-refuses a group across nodes, and that closing it gives back the allocation and every mapping."""
+"""The symmetric region on CUDA IPC memory (epjit.memory.IpcHeap), on the CPU with a stand-in for CuPy's runtime:
+which Buffers get it (one NVLink node, puts not forced, NVSHMEM not asked for; virtual nodes on one host with
+EPJIT_RDMA_BY_STORES), the pointers it gives the kernels (every rank's, past the header, at the same offsets), that
+NVSHMEM never starts for it, that it refuses a group across hosts, and that closing it gives back the allocation and
+every mapping."""
 
 from __future__ import annotations
 
@@ -54,10 +55,12 @@ class FakeRuntime:
 
 
 class FakeGroup:
-    """Rank 1 of ``size`` ranks in NVLink nodes of ``num_nvl_ranks``; every peer's handle names its own base."""
+    """Rank 1 of ``size`` ranks in NVLink nodes of ``num_nvl_ranks`` over ``num_hosts`` hosts; every peer's handle
+    names its own base."""
 
-    def __init__(self, size: int = 4, num_nvl_ranks: int = 4) -> None:
+    def __init__(self, size: int = 4, num_nvl_ranks: int = 4, num_hosts: int = 1) -> None:
         self.rank, self.size, self.device = 1, size, 0
+        self.hosts = [f"host{r * num_hosts // size}" for r in range(size)]
         self.num_nvl_ranks, self.nvl_node, self.nvl_rank = num_nvl_ranks, 1 // num_nvl_ranks, 1 % num_nvl_ranks
         self.barriers = 0
 
@@ -90,8 +93,20 @@ def test_one_node_buffers_get_ipc_memory_unless_puts_or_nvshmem_are_asked_for():
     assert symmetric_memory(FakeGroup(4, 4), one_node_nvshmem=True) == "nvshmem"
 
 
-def test_every_peer_by_pointer_past_the_header_and_no_nvshmem(runtime):
-    group = FakeGroup()
+def test_virtual_nodes_get_ipc_memory_with_rdma_by_stores_and_only_on_one_host():
+    assert symmetric_memory(FakeGroup(4, 2), rdma_by_stores=True) == "ipc"
+    assert symmetric_memory(FakeGroup(4, 1), rdma_by_stores=True) == "ipc"
+    assert symmetric_memory(FakeGroup(4, 4), one_node_nvshmem=True, rdma_by_stores=True) == "ipc"
+    with pytest.raises(SetupError, match="EPJIT_RDMA_BY_STORES=1 .*one host, and this group spans 2"):
+        symmetric_memory(FakeGroup(4, 2, num_hosts=2), rdma_by_stores=True)
+    with pytest.raises(SetupError, match="EPJIT_LL_FORCE_PUTS=1"):
+        symmetric_memory(FakeGroup(4, 2), force_puts=True, rdma_by_stores=True)
+
+
+@pytest.mark.parametrize("num_nvl_ranks", [4, 2, 1])
+def test_every_peer_by_pointer_past_the_header_and_no_nvshmem(runtime, num_nvl_ranks):
+    """One NVLink node, or virtual nodes on one host: every rank of the group mapped, by rank."""
+    group = FakeGroup(4, num_nvl_ranks)
     heap = IpcHeap(group, 1000)
     (own,) = runtime.allocated
     assert heap.base == own + NVL_HEADER_BYTES
@@ -109,9 +124,9 @@ def test_every_peer_by_pointer_past_the_header_and_no_nvshmem(runtime):
     assert group.barriers == 2  # after the handles were opened, and before freeing: no peer still writes
 
 
-def test_a_group_across_nodes_is_refused_before_anything_is_allocated(runtime):
-    with pytest.raises(SetupError, match="spans 2 of 2 ranks.*NVSHMEM's heap"):
-        IpcHeap(FakeGroup(4, 2), 1000)
+def test_a_group_across_hosts_is_refused_before_anything_is_allocated(runtime):
+    with pytest.raises(SetupError, match="one host, and this group spans 2.*NVSHMEM's heap"):
+        IpcHeap(FakeGroup(4, 2, num_hosts=2), 1000)
     assert runtime.allocated == {}
 
 

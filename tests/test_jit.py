@@ -355,6 +355,8 @@ def test_programmatic_launches_wait_for_their_predecessor():
     assert ("intranode.cu", "intranode_dispatch") in launched, "update this test: dispatch is launched with PDL"
     for source, kernel in sorted(launched):
         text = (CUDA_SRC / source).read_text()
+        # a build of another source (internode_stores.cu: #define, then #include "internode.cu") is that source's
+        text += "".join((CUDA_SRC / inner).read_text() for inner in re.findall(r'#include "(\w+\.cu)"', text))
         start = re.search(rf"__global__[^;{{]*?\b{kernel}\s*\(", text, re.S)
         assert start, kernel
         end = text.find("__global__", start.end())

@@ -10,20 +10,30 @@ from .._version import __version__
 from ..env import codegen_settings, settings
 from ..jit import JitConfig, KernelSpec
 from .foundation import BarrierSpec, PutSignalCheckSpec
-from .internode import InternodeNotifySpec, InternodeSpec, internode_spec
+from .internode import (
+    InternodeNotifySpec,
+    InternodeNotifyStoresSpec,
+    InternodeSpec,
+    InternodeStoresSpec,
+    by_stores,
+    internode_spec,
+)
 from .intranode import IntranodeNotifySpec, IntranodeSpec, LayoutSpec, intranode_spec
 from .low_latency import LowLatencyPutsSpec, LowLatencySpec
 
 __all__ = [
     "BarrierSpec",
     "InternodeNotifySpec",
+    "InternodeNotifyStoresSpec",
     "InternodeSpec",
+    "InternodeStoresSpec",
     "IntranodeNotifySpec",
     "IntranodeSpec",
     "LayoutSpec",
     "LowLatencyPutsSpec",
     "LowLatencySpec",
     "PutSignalCheckSpec",
+    "by_stores",
     "check_specs",
     "cuda_sources",
     "internode_spec",
@@ -62,7 +72,9 @@ def check_specs() -> list[KernelSpec]:
     # A tuning variant (Config's warp-role fields): the phased dispatch with 3 combine senders a peer.
     specs.append(intranode_spec(4, dispatch_phased=1, combine_send_warps=3))
     specs += [LowLatencySpec(), LowLatencyPutsSpec()]
-    # Across NVLink nodes: the topologies the GPU tier runs (nodes x ranks a node).
+    # Across NVLink nodes: the topologies the GPU tier runs (nodes x ranks a node), through NVSHMEM and with the
+    # RDMA leg as NVLink stores (virtual nodes on one host).
     for nodes, nvl_ranks in ((2, 1), (4, 1), (2, 2), (2, 4), (4, 2)):
-        specs += [InternodeNotifySpec(nodes, nvl_ranks), internode_spec(nodes, nvl_ranks)]
+        pair = [InternodeNotifySpec(nodes, nvl_ranks), internode_spec(nodes, nvl_ranks)]
+        specs += pair + [by_stores(spec) for spec in pair]
     return specs

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ..jit.spec import KernelSpec
 from .intranode import CLAIMS, PEERS
@@ -113,6 +113,30 @@ class InternodeSpec(KernelSpec):
     def combine_group_warps(self) -> int:
         """Warps of one combine forwarding group (its tokens in flight: the NVLink sub-rings must hold them)."""
         return self.num_threads // 32 // self.combine_forward_groups
+
+
+@dataclass(frozen=True)
+class InternodeNotifyStoresSpec(InternodeNotifySpec):
+    """cuda_src/internode_stores.cu's notify: the RDMA leg as NVLink stores (cuda_src/rdma.cuh), for virtual nodes
+    on one host whose symmetric region is CUDA IPC memory. No NVSHMEM library."""
+
+    SOURCE = "internode_stores.cu"
+    USES_NVSHMEM = False
+
+
+@dataclass(frozen=True)
+class InternodeStoresSpec(InternodeSpec):
+    """cuda_src/internode_stores.cu's dispatch and combine: InternodeSpec's kernels with the RDMA leg as NVLink
+    stores. No NVSHMEM library."""
+
+    SOURCE = "internode_stores.cu"
+    USES_NVSHMEM = False
+
+
+def by_stores(spec: InternodeNotifySpec | InternodeSpec) -> InternodeNotifySpec | InternodeSpec:
+    """The same kernels at the same instantiation, built with the RDMA leg as NVLink stores."""
+    stores = InternodeStoresSpec if isinstance(spec, InternodeSpec) else InternodeNotifyStoresSpec
+    return stores(**{f.name: getattr(spec, f.name) for f in fields(spec)})
 
 
 def check_topology(num_nodes: int, num_nvl_ranks: int) -> None:

@@ -23,12 +23,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import Config
+from ..jit import Module
 from ..kernels.internode import (
     NUM_THREADS,
     InternodeNotifySpec,
     InternodeSpec,
+    by_stores,
 )
-from ..memory import PeerMemory
+from ..memory import IpcHeap, PeerMemory
 from .intranode import (
     META_INTS,
     CombinePlan,
@@ -122,11 +124,18 @@ class Internode(Intranode):
         self.num_nvl_ranks = group.num_nvl_ranks
         self.num_nodes = group.size // group.num_nvl_ranks
         self.expert_cap = expert_cap
+        # Virtual nodes on one host with their symmetric region on IPC memory (EPJIT_RDMA_BY_STORES): the kernels'
+        # build with the RDMA leg as NVLink stores, and no NVSHMEM.
+        self.by_stores = isinstance(mem.sym, IpcHeap)
         super().__init__(mem, streams, outputs, profile, device, num_experts)
         self.forward_estimate = RowEstimate(self.num_nodes)  # tokens this rank forwards, by the same rule as rows
 
     def _notify_spec(self) -> InternodeNotifySpec:
-        return InternodeNotifySpec(self.num_nodes, self.num_nvl_ranks)
+        spec = InternodeNotifySpec(self.num_nodes, self.num_nvl_ranks)
+        return by_stores(spec) if self.by_stores else spec
+
+    def module(self, spec: InternodeSpec) -> Module:
+        return super().module(by_stores(spec) if self.by_stores else spec)
 
     # ---------------------------------------------------------------------------------------------------- plans
 

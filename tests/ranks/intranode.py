@@ -24,7 +24,7 @@ import torch
 import epjit
 from epjit import bench, reference
 from epjit.config import COMBINE_READERS, MAX_CHANNELS
-from epjit.memory import MAX_NVL_RANKS, NVL_HEADER_BYTES
+from epjit.memory import MAX_NVL_RANKS, NVL_HEADER_BYTES, live_resources
 
 BF16 = ml_dtypes.bfloat16
 os.environ.setdefault("EPJIT_POISON_OUTPUTS", "1")  # a row the kernel forgets must not read as plausible zeros
@@ -281,7 +281,8 @@ def main() -> int:
         roles = bench.parse_roles(args.warp_roles)
         buf._dispatch_config = bench.case_config("dispatch", R, 24, 0, 256, roles)
         buf._combine_config = bench.case_config("combine", R, 24, 0, 256, roles)
-    result: dict = {"rank": rank, "size": R, "cases": 0, "kernels": buf._spec_of(buf._dispatch_config).family}
+    result: dict = {"rank": rank, "size": R, "cases": 0, "kernels": buf._spec_of(buf._dispatch_config).family,
+                    "symmetric": type(buf.mem.sym).__name__ if buf.mem.sym is not None else None}
     start = time.perf_counter()
     try:
         cases = []
@@ -446,6 +447,8 @@ def main() -> int:
         result["loops_identical"] = runs[0] == runs[1]
         result["retries"] = buf._normal_ops.estimate.retries
         result["loops"] = args.loops
+        result["modules"] = sorted(module.spec.family.split(".")[0] for module in buf._normal_ops._modules.values())
+        result["nvshmem_initialised"] = live_resources()["nvshmem_initialised"]
     finally:
         buf.close()
     result["seconds"] = round(time.perf_counter() - start, 1)
