@@ -37,14 +37,14 @@
 #include "copy.cuh"
 #include "fp8.cuh"
 #include "low_latency.cuh"
-// The NVSHMEM device library only where a put path may run (low_latency_puts.cu): a -rdc build linked with it
-// makes every launch slower (docs/history.md), so the build without it has stubs instead.
-#ifdef EPJIT_LL_PUTS
-#include "nvshmem.cuh"
-#else
-#include "no_nvshmem.cuh"
+// The NVSHMEM device library only where a put path may run through it (low_latency_puts.cu): a -rdc build linked
+// with it makes every launch slower (docs/history.md), so the plain build's put path traps (rdma.cuh's "none"), and
+// low_latency_stores.cu's puts are NVLink stores.
+#if !defined(EPJIT_LL_PUTS) && !defined(EPJIT_RDMA_BY_STORES)
+#define EPJIT_RDMA_NONE
 #endif
 #include "ptx.cuh"
+#include "rdma.cuh"
 #include "timeline.cuh"
 #include "wait.cuh"
 
@@ -131,7 +131,7 @@ __device__ __forceinline__ void send_acks(const PeersTable* peers, const LowLate
         if (remote != nullptr)
             ptx::st_relaxed_sys_u64(remote, ack);
         else if (pe < peers->num_ranks)
-            nvshmemx_signal_op(word, ack, NVSHMEM_SIGNAL_SET, pe);
+            rdma_signal(peers, word, ack, SignalOp::kSet, pe);
     }
 }
 
@@ -297,9 +297,9 @@ __device__ __forceinline__ void send_to_rank(const PeersTable* peers, const LowL
             ptx::st_global_L1_no_allocate_v4(remote + kLowLatencyHeaderInt4 + i, payload[i]);
     } else {
         __syncwarp();
-        nvshmemx_putmem_nbi_warp(mine, header, kLowLatencyHeaderBytes, dst);
-        nvshmemx_putmem_nbi_warp(mine + kLowLatencyHeaderInt4, lay.staging + t * lay.msg_bytes, payload_int4 * 16,
-                                 dst);
+        rdma_put_warp(peers, mine, header, kLowLatencyHeaderBytes, dst, lane);
+        rdma_put_warp(peers, mine + kLowLatencyHeaderInt4, lay.staging + t * lay.msg_bytes, payload_int4 * 16, dst,
+                      lane);
     }
 }
 
@@ -441,7 +441,7 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
         // The count-sender's acquire of the counter and its system-scope release of the count carry the stores
         // to the receiver (causality is transitive), so no sending warp pays a system fence.
         if (warp < num_topk) {
-            if (puts) nvshmem_quiet();
+            if (puts) rdma_quiet();
             __syncwarp();
             ptx::fence_acq_rel_gpu();  // each lane's bumps below come after every store of the warp
             for (int t = static_cast<int>(blockIdx.x); t < num_tokens; t += static_cast<int>(gridDim.x)) {
@@ -475,7 +475,7 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
                 if (remote != nullptr)
                     ptx::st_release_sys_u64(remote, signal);
                 else
-                    nvshmemx_signal_op(word, signal, NVSHMEM_SIGNAL_SET, dst);
+                    rdma_signal(peers, word, signal, SignalOp::kSet, dst);
             }
         }
         timeline_mark(timeline, kAtCounted);
@@ -593,9 +593,9 @@ ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const in
                 if (direct)
                     warp_copy(on_peer(peers, mine, home), src, row_int4, lane);
                 else
-                    nvshmemx_putmem_nbi_warp(mine, src, static_cast<size_t>(row_int4) * 16, home);
+                    rdma_put_warp(peers, mine, src, static_cast<size_t>(row_int4) * 16, home, lane);
             }
-            if (!direct) nvshmem_quiet();
+            if (!direct) rdma_quiet();
             // Every row of the pair is out (bar.sync orders the group's stores before the release below).
             if (w > 1)
                 ptx::bar_sync(1 + group_in_block, w * 32);
@@ -611,7 +611,7 @@ ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const in
                     ptx::fence_acq_rel_sys();
                     ptx::st_relaxed_sys_u64(remote, signal);
                 } else {
-                    nvshmemx_signal_op(word, signal, NVSHMEM_SIGNAL_SET, home);
+                    rdma_signal(peers, word, signal, SignalOp::kSet, home);
                 }
             }
         }

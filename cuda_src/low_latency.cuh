@@ -94,14 +94,6 @@ struct LowLatencyLayout {
     }
 };
 
-// Where a word of my symmetric heap sits on PE `pe`, when NVLink reaches it (nvshmem_ptr), else nullptr.
-template <typename T>
-__device__ __forceinline__ T* on_peer(const PeersTable* peers, T* mine, int pe) {
-    char* peer_base = static_cast<char*>(peers->sym_peer[pe]);
-    if (peer_base == nullptr) return nullptr;
-    return reinterpret_cast<T*>(peer_base + (reinterpret_cast<char*>(mine) - static_cast<char*>(peers->sym_base)));
-}
-
 // Per-Buffer device words (plain device memory, zeroed at creation), per set: the epoch; the running call's
 // word (its finished blocks in the low 16 bits, the last one advances the epoch; its status bits above, for the
 // host); the epoch of a receive whose acks the next kernel sends. Then the dispatch's per-expert sent counters.

@@ -77,4 +77,12 @@ __device__ __forceinline__ T* sym_local(const PeersTable* peers, int64_t offset)
     return reinterpret_cast<T*>(static_cast<char*>(peers->sym_base) + offset);
 }
 
+// Where a word of my symmetric allocation sits on rank `pe`, as mapped here (sym_peer), else nullptr.
+template <typename T>
+__device__ __forceinline__ T* on_peer(const PeersTable* peers, T* mine, int pe) {
+    char* peer_base = static_cast<char*>(peers->sym_peer[pe]);
+    if (peer_base == nullptr) return nullptr;
+    return reinterpret_cast<T*>(peer_base + (reinterpret_cast<char*>(mine) - static_cast<char*>(peers->sym_base)));
+}
+
 }  // namespace epjit

@@ -206,17 +206,15 @@ class NvlBuffer:
 def symmetric_memory(group: Group, force_puts: bool = False, one_node_nvshmem: bool = False,
                      rdma_by_stores: bool = False) -> str:
     """Where a Buffer's symmetric region belongs: "ipc" inside one NVLink node, where every peer is reached by
-    pointer and NVSHMEM need not start (no init, no library needed), and for virtual nodes on one host with
-    EPJIT_RDMA_BY_STORES; "nvshmem" across nodes (puts), when puts are forced (EPJIT_LL_FORCE_PUTS) or when
-    EPJIT_ONE_NODE_NVSHMEM asks for NVSHMEM's heap anyway. SetupError where EPJIT_RDMA_BY_STORES cannot hold."""
+    pointer and NVSHMEM need not start (no init, no library needed), and on one host with EPJIT_RDMA_BY_STORES
+    (puts become NVLink stores: forced ones too); "nvshmem" across nodes (puts), when puts are forced
+    (EPJIT_LL_FORCE_PUTS) or when EPJIT_ONE_NODE_NVSHMEM asks for NVSHMEM's heap anyway. SetupError where
+    EPJIT_RDMA_BY_STORES cannot hold (a group across hosts)."""
     if rdma_by_stores:
         hosts = len(set(group.hosts))
         if hosts > 1:
             raise SetupError(with_rank(f"EPJIT_RDMA_BY_STORES=1 maps every rank's memory into every other through "
                                        f"CUDA IPC, which reaches one host, and this group spans {hosts}: unset it"))
-        if force_puts:
-            raise SetupError(with_rank("EPJIT_RDMA_BY_STORES=1 starts no NVSHMEM, and EPJIT_LL_FORCE_PUTS=1 asks "
-                                       "for NVSHMEM's puts: set one of them"))
         return "ipc"
     return "nvshmem" if group.num_nvl_ranks < group.size or force_puts or one_node_nvshmem else "ipc"
 

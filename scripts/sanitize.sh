@@ -9,14 +9,15 @@
 #                combine, in bf16 and in FP8 (NVLink buffers only: no NVSHMEM)
 #   low-latency  two low-latency cycles: dispatch and combine in bf16 and FP8 (NVLink stores into the symmetric
 #                region, CUDA IPC memory in one node: no NVSHMEM)
-#   ll-puts      the low-latency cycles again through NVSHMEM puts (EPJIT_LL_FORCE_PUTS=1: NVSHMEM's heap)
+#   ll-puts      the low-latency cycles again through their put path (EPJIT_LL_FORCE_PUTS=1), its puts as NVLink
+#                stores (EPJIT_RDMA_BY_STORES=1: the kernels' build without NVSHMEM)
 #   peer-memory  tests/ranks/peer_memory.py: the NVLink barrier and exchange, NVSHMEM put + signal
 #   internode    two internode cycles (soak_buffers.py --kinds internode) on 2 ranks as 2 NVLink nodes of 1: the
 #                internode notify, dispatch and combine, with the RDMA leg as NVLink stores through CUDA IPC memory
 #                (EPJIT_RDMA_BY_STORES=1: the kernels' build without NVSHMEM; always 2 ranks: one rank is no pair
 #                of nodes)
 #   internode-2x2  the same on 4 ranks as 2 nodes of 2 (the NVLink forwarding rings between a node's ranks too)
-# The cases on NVSHMEM's heap (ll-puts, peer-memory) start NVSHMEM, whose initialisation under compute-sanitizer
+# The case on NVSHMEM's heap (peer-memory) starts NVSHMEM, whose initialisation under compute-sanitizer
 # ran for minutes without finishing on H100 and H200 (NVSHMEM 3.8): SANITIZE_CASE_TIMEOUT (seconds, default 900)
 # bounds each case, and a case cut short prints "timeout" in the errors column. A case of more ranks than GPUs runs
 # with the ranks sharing them (EPJIT_SHARE_GPUS), where instrumented kernels that wait on each other may not end.
@@ -44,7 +45,8 @@ runner() {  # the command that starts a case's ranks (this many)
   fi
 }
 [ -n "${SANITIZE_STACK_DUMP_S:-}" ] && export STACK_DUMP_S=$SANITIZE_STACK_DUMP_S
-gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)  # the ones this run may use: CUDA_VISIBLE_DEVICES narrows them
+[ -n "${CUDA_VISIBLE_DEVICES:-}" ] && gpus=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c .)
 declare -A CASES=(
   [normal]="scripts/soak_buffers.py --kinds normal --cycles 2 --warmup 0 --progress"
   [low-latency]="scripts/soak_buffers.py --kinds low_latency --cycles 2 --warmup 0 --progress"
@@ -54,7 +56,7 @@ declare -A CASES=(
   [internode-2x2]="scripts/soak_buffers.py --kinds internode --num-nvl-ranks 2 --cycles 2 --warmup 0 --progress"
 )
 declare -A CASE_RANKS=([internode]=2 [internode-2x2]=4)
-names=${SANITIZE_CASES:-normal low-latency internode internode-2x2 ll-puts peer-memory}
+names=${SANITIZE_CASES:-normal low-latency ll-puts internode internode-2x2 peer-memory}
 limit=${SANITIZE_CASE_TIMEOUT:-900}
 # Compile every module first, outside the sanitizer: what it checks is the kernels, not NVRTC.
 python3 -m epjit.jit --check > "$OUT/sanitize-jit${SANITIZE_TAG:+-$SANITIZE_TAG}.log" 2>&1 || { echo "jit --check failed"; exit 1; }
@@ -64,7 +66,7 @@ for tool in "${tools[@]}"; do
   for name in $names; do
     log="$OUT/sanitize-$tool-$name${SANITIZE_TAG:+-$SANITIZE_TAG}.log"
     settings=()
-    [ "$name" = ll-puts ] && settings=(EPJIT_LL_FORCE_PUTS=1)
+    [ "$name" = ll-puts ] && settings=(EPJIT_LL_FORCE_PUTS=1 EPJIT_RDMA_BY_STORES=1)
     [[ "$name" = internode* ]] && settings=(EPJIT_RDMA_BY_STORES=1)
     case_ranks=${CASE_RANKS[$name]:-$ranks}
     [ "$gpus" -ge "$case_ranks" ] || settings+=(EPJIT_SHARE_GPUS=1)

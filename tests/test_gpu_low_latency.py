@@ -58,6 +58,22 @@ def test_low_latency_through_nvshmem_puts():
     assert all(r["force_puts"] == "1" and r["build"] == "low_latency_puts" for r in results), results
 
 
+@pytest.mark.parametrize("n, shared", [p for p in RANKS if p.values[0] <= 4])
+def test_low_latency_put_path_as_nvlink_stores(n, shared):
+    """EPJIT_LL_FORCE_PUTS with EPJIT_RDMA_BY_STORES: the put path (staging, puts, quiet, signals) with its puts as
+    NVLink stores on IPC memory, the build without NVSHMEM (what compute-sanitizer checks of the put path)."""
+    env = placement(n, shared)
+    pytest.importorskip("torch")
+    code, output, results = run_ranks("launch", n, "tests/ranks/low_latency.py", "--quick",
+                                      env={"EPJIT_TIMEOUT_S": "60", "EPJIT_LL_FORCE_PUTS": "1",
+                                           "EPJIT_RDMA_BY_STORES": "1", **env}, timeout=400)
+    assert code == 0, output[-8000:]
+    _check(results, n)
+    for r in results:
+        assert r["build"] == "low_latency_stores" and r["symmetric"] == "IpcHeap", r
+        assert r["nvshmem_initialised"] == 0, r
+
+
 def test_low_latency_across_virtual_nodes():
     """4 ranks as 2 nodes x 2 (num_nvl_ranks=2): a rank reaches its node's other rank through NVLink stores and the
     other node's two through NVSHMEM puts, the mix a cluster runs, on one host (sharing GPUs where there are fewer

@@ -36,13 +36,14 @@ def test_buffers_made_and_closed_leak_nothing(nodes, stores):
 def test_kernels_clean_under_compute_sanitizer():
     """memcheck, racecheck, synccheck and initcheck over the kernels that need no NVSHMEM (which does not start under
     compute-sanitizer: docs/reliability.md): scripts/sanitize.sh's normal case (layout, notify, dispatch, combine),
-    its low-latency case (one node: the symmetric region on CUDA IPC memory) and, with 2 GPUs, its internode case
+    its low-latency case (one node: the symmetric region on CUDA IPC memory), ll-puts (the put path, as NVLink
+    stores) and, with 2 GPUs, its internode case
     (2 nodes of 1, the RDMA leg as NVLink stores: two ranks' instrumented kernels wait on each other, which ranks
     sharing one GPU may not survive)."""
     require_gpus(1)
     if shutil.which("compute-sanitizer") is None:
         pytest.skip("compute-sanitizer is not on PATH (it comes with the CUDA toolkit)")
-    cases = "normal low-latency" + (" internode" if gpu_count() >= 2 else "")
+    cases = "normal low-latency ll-puts" + (" internode" if gpu_count() >= 2 else "")
     env = {**os.environ, "SANITIZE_CASES": cases}
     proc = subprocess.run(["bash", "scripts/sanitize.sh", "memcheck", "racecheck", "synccheck", "initcheck"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=800)

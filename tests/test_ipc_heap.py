@@ -14,8 +14,9 @@ import pytest
 
 from epjit import memory
 from epjit.errors import SetupError
+from epjit.kernels.low_latency import LowLatencyPutsSpec, LowLatencySpec, LowLatencyStoresSpec
 from epjit.memory import NVL_HEADER_BYTES, IpcHeap, PeerMemory, symmetric_memory
-from epjit.ops.low_latency import needs_puts
+from epjit.ops.low_latency import kernels_for, needs_puts
 
 
 class FakeRuntime:
@@ -99,8 +100,7 @@ def test_virtual_nodes_get_ipc_memory_with_rdma_by_stores_and_only_on_one_host()
     assert symmetric_memory(FakeGroup(4, 4), one_node_nvshmem=True, rdma_by_stores=True) == "ipc"
     with pytest.raises(SetupError, match="EPJIT_RDMA_BY_STORES=1 .*one host, and this group spans 2"):
         symmetric_memory(FakeGroup(4, 2, num_hosts=2), rdma_by_stores=True)
-    with pytest.raises(SetupError, match="EPJIT_LL_FORCE_PUTS=1"):
-        symmetric_memory(FakeGroup(4, 2), force_puts=True, rdma_by_stores=True)
+    assert symmetric_memory(FakeGroup(4, 4), force_puts=True, rdma_by_stores=True) == "ipc"  # puts as stores
 
 
 @pytest.mark.parametrize("num_nvl_ranks", [4, 2, 1])
@@ -116,6 +116,7 @@ def test_every_peer_by_pointer_past_the_header_and_no_nvshmem(runtime, num_nvl_r
     assert heap.peer_ptrs == [(1 << 46) + own + (r - 1) * 0x1000 + NVL_HEADER_BYTES if r != 1 else heap.base
                               for r in range(4)]
     assert heap.has_direct_peers and not needs_puts(False, heap) and needs_puts(True, heap)
+    assert type(kernels_for(False, heap)) is LowLatencySpec and type(kernels_for(True, heap)) is LowLatencyStoresSpec
     assert memory.live_resources()["ipc_mappings"] == 3
     assert memory.live_resources()["nvshmem_initialised"] == 0 and memory.live_resources()["heap_bytes"] == 0
     heap.close()
@@ -133,3 +134,19 @@ def test_a_group_across_hosts_is_refused_before_anything_is_allocated(runtime):
 def test_peer_memory_names_the_symmetric_kinds():
     with pytest.raises(ValueError, match="symmetric='ucx'"):
         PeerMemory.create(FakeGroup(), 0, 1 << 20, symmetric="ucx")
+
+
+def test_the_low_latency_build_follows_the_heap_and_forced_puts():
+    """NVSHMEM's heap: the plain build where every peer has a pointer, the NVSHMEM build where one has none or puts
+    are forced; IPC memory never needs NVSHMEM (forced puts run as stores)."""
+
+    class Heap(memory.SymmetricHeap):
+        def __init__(self, ptrs: list[int]) -> None:  # no NVSHMEM: only what the choice reads
+            self.peer_ptrs = ptrs
+
+    assert type(kernels_for(False, Heap([1, 2]))) is LowLatencySpec
+    assert type(kernels_for(False, Heap([1, 0]))) is LowLatencyPutsSpec
+    assert type(kernels_for(True, Heap([1, 2]))) is LowLatencyPutsSpec
+    assert type(kernels_for(False, None)) is LowLatencyPutsSpec
+    assert LowLatencyPutsSpec.USES_NVSHMEM and not LowLatencyStoresSpec.USES_NVSHMEM
+    assert LowLatencyStoresSpec.KERNELS == LowLatencySpec.KERNELS

@@ -80,8 +80,14 @@ def test_the_build_without_nvshmem_serves_only_where_every_peer_has_a_pointer():
     assert low_latency_needs_puts(False, None)  # no symmetric heap to tell
 
 
-def test_the_puts_build_is_the_same_kernels_with_nvshmem():
+def test_the_puts_builds_are_the_same_kernels_with_nvshmem_or_stores():
     puts = (CUDA_SRC / ll.LowLatencyPutsSpec.SOURCE).read_text()
     assert "#define EPJIT_LL_PUTS" in puts and '#include "low_latency.cu"' in puts
     assert ll.LowLatencyPutsSpec.USES_NVSHMEM and not ll.LowLatencySpec.USES_NVSHMEM
     assert ll.LowLatencyPutsSpec.KERNELS == ll.LowLatencySpec.KERNELS
+    stores = (CUDA_SRC / ll.LowLatencyStoresSpec.SOURCE).read_text()
+    assert "#define EPJIT_RDMA_BY_STORES" in stores and '#include "low_latency.cu"' in stores
+    assert not ll.LowLatencyStoresSpec.USES_NVSHMEM and ll.LowLatencyStoresSpec.KERNELS == ll.LowLatencySpec.KERNELS
+    # the plain build's put path traps, and the source reaches NVSHMEM only through rdma.cuh
+    source = (CUDA_SRC / ll.LowLatencySpec.SOURCE).read_text()
+    assert "#define EPJIT_RDMA_NONE" in source and "nvshmemx_" not in source and "nvshmem_quiet" not in source

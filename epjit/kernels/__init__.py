@@ -19,7 +19,7 @@ from .internode import (
     internode_spec,
 )
 from .intranode import IntranodeNotifySpec, IntranodeSpec, LayoutSpec, intranode_spec
-from .low_latency import LowLatencyPutsSpec, LowLatencySpec
+from .low_latency import LowLatencyPutsSpec, LowLatencySpec, LowLatencyStoresSpec
 
 __all__ = [
     "BarrierSpec",
@@ -32,6 +32,7 @@ __all__ = [
     "LayoutSpec",
     "LowLatencyPutsSpec",
     "LowLatencySpec",
+    "LowLatencyStoresSpec",
     "PutSignalCheckSpec",
     "by_stores",
     "check_specs",
@@ -71,7 +72,7 @@ def check_specs() -> list[KernelSpec]:
         specs += [IntranodeNotifySpec(ranks), intranode_spec(ranks)]
     # A tuning variant (Config's warp-role fields): the phased dispatch with 3 combine senders a peer.
     specs.append(intranode_spec(4, dispatch_phased=1, combine_send_warps=3))
-    specs += [LowLatencySpec(), LowLatencyPutsSpec()]
+    specs += [LowLatencySpec(), LowLatencyPutsSpec(), LowLatencyStoresSpec()]
     # Across NVLink nodes: the topologies the GPU tier runs (nodes x ranks a node), through NVSHMEM and with the
     # RDMA leg as NVLink stores (virtual nodes on one host).
     for nodes, nvl_ranks in ((2, 1), (4, 1), (2, 2), (2, 4), (4, 2)):

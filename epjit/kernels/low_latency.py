@@ -50,6 +50,15 @@ class LowLatencyPutsSpec(LowLatencySpec):
     USES_NVSHMEM = True
 
 
+@dataclass(frozen=True)
+class LowLatencyStoresSpec(LowLatencySpec):
+    """cuda_src/low_latency_stores.cu: the same kernels with their put path as NVLink stores (no NVSHMEM library),
+    for forced puts on a symmetric region of CUDA IPC memory (EPJIT_RDMA_BY_STORES with EPJIT_LL_FORCE_PUTS): the
+    put path's staging and ordering run, and compute-sanitizer can check them."""
+
+    SOURCE = "low_latency_stores.cu"
+
+
 def _align(n: int) -> int:
     return (n + 255) // 256 * 256
 

@@ -30,6 +30,7 @@ from ..kernels.low_latency import (
     TIMELINE_POINTS,
     LowLatencyPutsSpec,
     LowLatencySpec,
+    LowLatencyStoresSpec,
     dispatch_shared_bytes,
     low_latency_size_hint,
 )
@@ -56,6 +57,15 @@ def _cupy() -> Any:
     import cupy
 
     return cupy
+
+
+def kernels_for(force_puts: bool, heap: SymmetricHeap | IpcHeap | None) -> LowLatencySpec:
+    """The build of the kernels this Buffer runs: without NVSHMEM where every peer is reached by pointer and puts are
+    not forced; with NVSHMEM's puts where one is not (or puts are forced on its heap); with the put path as NVLink
+    stores where puts are forced on IPC memory (EPJIT_RDMA_BY_STORES)."""
+    if not needs_puts(force_puts, heap):
+        return LowLatencySpec()
+    return LowLatencyStoresSpec() if isinstance(heap, IpcHeap) else LowLatencyPutsSpec()
 
 
 def needs_puts(force_puts: bool, heap: SymmetricHeap | IpcHeap | None) -> bool:
@@ -216,7 +226,7 @@ class LowLatency:
         self.num_ranks = mem.group.size
         self.num_max_tokens, self.hidden, self.num_experts = num_max_tokens, hidden, num_experts
         self.force_puts = int(force_puts)
-        self.module = load(LowLatencyPutsSpec() if needs_puts(force_puts, mem.sym) else LowLatencySpec(), device)
+        self.module = load(kernels_for(force_puts, mem.sym), device)
         with cupy.cuda.Device(device):
             self.sync = cupy.zeros(SYNC_BYTES // 4 + num_experts, dtype=cupy.int32)  # + expert_sent
         self.host_status = MappedHostArray(64)  # see the module docstring

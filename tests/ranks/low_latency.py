@@ -356,7 +356,8 @@ def main() -> int:
     result: dict = {"rank": rank, "cases": 0, "force_puts": os.environ.get("EPJIT_LL_FORCE_PUTS", "0"),
                     "bytes": [b.num_rdma_bytes for b in bufs], "build": bufs[0]._ll.module.spec.family,
                     "num_nvl_ranks": group.num_nvl_ranks,
-                    "nvlink_peers": [pe for pe, ptr in enumerate(bufs[0].mem.sym.peer_ptrs) if ptr]}
+                    "nvlink_peers": [pe for pe, ptr in enumerate(bufs[0].mem.sym.peer_ptrs) if ptr],
+                    "symmetric": type(bufs[0].mem.sym).__name__}
     big, mid, small = bufs
     cases = [
         # (buffer, counts, topk, holes, fp8, round, ue8m0, hook, repeats, small)
@@ -383,6 +384,7 @@ def main() -> int:
     result["loops"] = loops_check(small, rank, R, 20 if args.quick else args.loops)
     result["extras"] = extras_check(mid, rank, R)
     result["refused"] = refusals(small, group, rank, R)
+    result["nvshmem_initialised"] = epjit.memory.live_resources()["nvshmem_initialised"]
     for b in bufs:
         b.close()
     result["seconds"] = round(time.perf_counter() - started, 1)
