@@ -21,6 +21,7 @@
 #include "peers.cuh"
 #include "ptx.cuh"
 #if !defined(EPJIT_RDMA_BY_STORES) && !defined(EPJIT_RDMA_NONE)
+#define EPJIT_RDMA_NVSHMEM
 #include "nvshmem.cuh"
 #endif
 
@@ -28,12 +29,10 @@ namespace epjit {
 
 enum class SignalOp { kSet, kAdd };
 
-#ifndef EPJIT_RDMA_BY_STORES
-#ifndef EPJIT_RDMA_NONE
+#ifdef EPJIT_RDMA_NVSHMEM
 __device__ __forceinline__ int signal_op_code(SignalOp op) {
     return op == SignalOp::kAdd ? NVSHMEM_SIGNAL_ADD : NVSHMEM_SIGNAL_SET;
 }
-#endif
 #endif
 
 // Set or add `value` to pe's copy of `word`, after everything this thread wrote before (release).
@@ -75,7 +74,7 @@ __device__ __forceinline__ void rdma_put_warp(const PeersTable* peers, void* dst
 __device__ __forceinline__ void rdma_quiet() {
 #if defined(EPJIT_RDMA_NONE)
     __trap();
-#elif !defined(EPJIT_RDMA_BY_STORES)
+#elif defined(EPJIT_RDMA_NVSHMEM)
     nvshmem_quiet();
 #endif
 }
@@ -84,7 +83,7 @@ __device__ __forceinline__ void rdma_quiet() {
 __device__ __forceinline__ void rdma_put_signal_warp(const PeersTable* peers, void* dst, const void* src,
                                                      size_t bytes, uint64_t* signal, uint64_t value, SignalOp op,
                                                      int pe, int lane) {
-#if defined(EPJIT_RDMA_BY_STORES) || defined(EPJIT_RDMA_NONE)
+#ifndef EPJIT_RDMA_NVSHMEM
     rdma_put_warp(peers, dst, src, bytes, pe, lane);
     __syncwarp();
     if (lane == 0) rdma_signal(peers, signal, value, op, pe);
