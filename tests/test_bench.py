@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
 import subprocess
 import sys
+import types
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from epjit import bench
+from epjit.bench import peers
 from epjit.bench.kernels import PUT_CEILING_HEADER_BYTES, PutCeilingSpec, bench_specs, put_ceiling_heap_bytes
 from epjit.kernels import cuda_sources
 
@@ -332,3 +336,408 @@ def test_an_internode_buffer_is_sized_by_both_hints_over_every_case(monkeypatch)
     bench._normal_buffer(Group(), args, configs)
     assert made == [(24000, 1600)]
     assert {c[1:] for c in calls} == {(4, 7168, 8, 256, 2)}
+
+
+# --------------------------------------------------------------------------------------------- peers: NCCL, DeepEP
+
+def test_help_names_the_peers_and_the_new_modes():
+    out = subprocess.run([sys.executable, "-m", "epjit.bench", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    for word in ("--peers", "deepep", "layout-dispatch", "layout-dispatch-fp8", "cached-dispatch",
+                 "cached-dispatch-fp8", "--no-nccl"):
+        assert word in out.stdout, word
+
+
+def _parsed(monkeypatch, argv):
+    """The arguments run() would get from ``argv`` (run replaced: nothing starts)."""
+    seen = []
+
+    def fake_run(args):
+        seen.append(args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(argv)
+    return seen[0]
+
+
+def _fake_deep_ep(calls: list, explicit_destroy: bool = True):
+    """A stand-in for DeepEP V1's module: its Buffer's class-wide num_sms and default configs as in deep_ep/buffer.py
+    (set_num_sms refuses odd counts; get_*_config(num_ranks) asserts a known rank count), and every call recorded."""
+
+    class Config:
+        def __init__(self, num_sms, nvl_send, nvl_recv, rdma_send=6, rdma_recv=256):
+            self.num_sms, self.nvl_send, self.nvl_recv = num_sms, nvl_send, nvl_recv
+
+        def get_nvl_buffer_size_hint(self, hidden_bytes, num_ranks):
+            return self.num_sms // 2 * num_ranks * self.nvl_recv * hidden_bytes
+
+    class Buffer:
+        num_sms = 20
+
+        def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24,
+                     allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, use_fabric=False,
+                     explicitly_destroy=False):
+            self.explicitly_destroy = explicitly_destroy
+            calls.append(("Buffer", group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
+                          self.explicitly_destroy))
+
+        def destroy(self):
+            calls.append(("destroy", self.explicitly_destroy))
+
+        @staticmethod
+        def set_num_sms(new_num_sms):
+            assert new_num_sms % 2 == 0, "The SM count must be even"
+            Buffer.num_sms = new_num_sms
+
+        @staticmethod
+        def get_dispatch_config(num_ranks):
+            config_map = {2: Config(Buffer.num_sms, 24, 256, 6, 128), 4: Config(Buffer.num_sms, 6, 256, 6, 128)}
+            assert num_ranks in config_map, f"Unsupported number of EP ranks: {num_ranks}"
+            return config_map[num_ranks]
+
+        @staticmethod
+        def get_combine_config(num_ranks):
+            config_map = {2: Config(Buffer.num_sms, 10, 256, 6, 128), 4: Config(Buffer.num_sms, 9, 256, 6, 128)}
+            assert num_ranks in config_map, f"Unsupported number of EP ranks: {num_ranks}"
+            return config_map[num_ranks]
+
+        @staticmethod
+        def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):
+            return num_max_dispatch_tokens_per_rank * hidden * num_experts
+
+        def get_dispatch_layout(self, topk_idx, num_experts):
+            calls.append(("layout", num_experts))
+            return "per_rank", None, "per_expert", "in_rank", "event"
+
+        def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                     is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                     config=None):
+            calls.append(("dispatch", type(x).__name__, handle, num_tokens_per_rank, is_token_in_rank,
+                          num_tokens_per_expert, topk_idx is not None, topk_weights, config.num_sms, config.nvl_send))
+            return "recv_x", "recv_topk_idx", "recv_topk_weights", [3], "handle", "event"
+
+        def combine(self, x, handle, topk_weights=None, config=None):
+            calls.append(("combine", x, handle, topk_weights, config.num_sms, config.nvl_send))
+            return "combined_x", None, "event"
+
+        def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+            calls.append(("clean", num_max_dispatch_tokens_per_rank, hidden, num_experts))
+
+        def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True,
+                                 return_recv_hook=False):
+            calls.append(("ll_dispatch", num_max_dispatch_tokens_per_rank, num_experts, use_fp8, return_recv_hook))
+            return ("recv_x", "scales"), "count", "ll_handle", "event", lambda: calls.append(("dispatch hook",))
+
+        def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook=False):
+            calls.append(("ll_combine", handle, return_recv_hook))
+            if getattr(Buffer, "refuse_combine", False):
+                raise RuntimeError("Failed: Assertion error csrc/deep_ep.cpp:1700 'hidden == 7168'")
+            return "combined_x", "event", lambda: calls.append(("combine hook",))
+
+    if not explicit_destroy:  # an older DeepEP: no explicitly_destroy, released by its destructor
+        def init(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24):
+            calls.append(("Buffer", group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank))
+
+        Buffer.__init__ = init
+    module = types.ModuleType("deep_ep")
+    module.Buffer, module.Config, module.__file__ = Buffer, Config, "/opt/DeepEP/deep_ep/__init__.py"
+    return module
+
+
+class _Group:
+    """epjit's group as the peer sees it: rank 0 of ``size``; the other ranks' share of an allgather is
+    ``others(obj)`` (default: the same as this rank's)."""
+
+    def __init__(self, size=2, others=None):
+        self.rank, self.size, self.others = 0, size, others or (lambda obj: obj)
+
+    def allgather_object(self, obj):
+        return [obj] + [self.others(obj) for _ in range(self.size - 1)]
+
+
+@pytest.mark.parametrize("argv, expected, no_nccl", [
+    ([], ["nccl"], False),
+    (["--no-nccl"], [], True),
+    (["--peers", "nccl", "deepep"], ["nccl", "deepep"], False),
+    (["--peers", "deepep"], ["deepep"], True),
+    (["--peers", "nccl", "deepep", "--no-nccl"], ["deepep"], True),
+    (["--peers", "deepep", "nccl", "deepep"], ["deepep", "nccl"], False),
+])
+def test_peers_on_the_command_line(argv, expected, no_nccl, monkeypatch, launched_ranks):
+    """--peers chooses what each case is timed beside; --no-nccl still removes NCCL. DeepEP passes the check
+    here because ``deep_ep`` is a stand-in with V1's Buffer, outside epjit."""
+    launched_ranks(2)
+    monkeypatch.setitem(sys.modules, "deep_ep", _fake_deep_ep([]))
+    args = _parsed(monkeypatch, argv)
+    assert (args.peers, args.no_nccl) == (expected, no_nccl)
+
+
+def test_an_unknown_peer_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--peers", "mpi"])
+    assert e.value.code == 2
+    assert "invalid choice: 'mpi'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module, message", [
+    (None, "`import deep_ep` failed (ModuleNotFoundError"),
+    ("alias", "deep_ep is epjit's own alias in this process"),
+    ("inside", "inside epjit (its DeepEP-compatible API), not DeepEP"),
+    ("v2", "has no Buffer.low_latency_dispatch, Buffer.clean_low_latency_buffer: not DeepEP's V1 API"),
+])
+def test_peers_deepep_without_deepep_is_refused_before_timing(module, message, monkeypatch, capsys, launched_ranks):
+    """Each rank checks before anything is timed: DeepEP must import and be DeepEP's own V1, and the refusal says
+    what to do."""
+    import epjit
+    import epjit.deep_ep
+
+    launched_ranks(2)
+    monkeypatch.setattr(bench, "run", lambda args: pytest.fail("a refused run started"))
+    if module is None:
+        monkeypatch.setitem(sys.modules, "deep_ep", None)  # `import deep_ep` raises ModuleNotFoundError
+    elif module == "alias":
+        monkeypatch.setitem(sys.modules, "deep_ep", sys.modules["epjit.deep_ep"])  # epjit.deep_ep.install()
+    elif module == "inside":
+        fake = _fake_deep_ep([])
+        fake.__file__ = str(Path(epjit.__file__).parent / "deep_ep" / "__init__.py")
+        monkeypatch.setitem(sys.modules, "deep_ep", fake)
+    else:
+        fake = _fake_deep_ep([])
+        del fake.Buffer.low_latency_dispatch, fake.Buffer.clean_low_latency_buffer
+        monkeypatch.setitem(sys.modules, "deep_ep", fake)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--peers", "nccl", "deepep"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "build DeepEP V1 from source" in err and "PYTHONPATH" in err
+
+
+def test_deepep_is_not_timed_across_nvlink_nodes(launched_ranks, capsys):
+    launched_ranks(4)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--peers", "deepep", "--num-nvl-ranks", "2"])
+    assert e.value.code == 2
+    assert "DeepEP is timed inside one NVLink node only" in capsys.readouterr().err
+    assert bench.topology_problem(4, 4, ["dispatch"], peers=["deepep"]) is None
+    assert bench.topology_problem(4, None, ["dispatch"], peers=["deepep"]) is None
+    assert "one NVLink node only" in bench.topology_problem(None, 2, ["dispatch"], peers=["nccl", "deepep"])
+
+
+def test_new_modes_time_their_operation():
+    """layout- and cached- dispatches have their operation's bytes, NCCL peer and default config."""
+    assert [bench.base_mode(m) for m in bench.NORMAL_MODES] == [
+        "dispatch", "dispatch-fp8", "combine", "dispatch", "dispatch-fp8", "dispatch", "dispatch-fp8"]
+    for mode in ("layout-dispatch", "cached-dispatch-fp8"):
+        assert bench.case_config(mode, 2, 24, 0, 0) == bench.case_config("dispatch", 2, 24, 0, 0), mode
+    assert bench.case_config("combine", 2, 24, 0, 0) != bench.case_config("cached-dispatch", 2, 24, 0, 0)
+
+
+def test_rows_round_trip_through_json_with_and_without_deepep():
+    with_deepep = bench.Row("cached-dispatch-fp8", 4096, 7168, 8, 256, 24, 2, 400.0, 450.0, 300.0, 350.0, 260.0,
+                            1.12, 87.0, num_nvl_ranks=2, deepep_us=520.0, deepep_ratio=1.3)
+    without = bench.Row("dispatch", 4096, 7168, 8, 256, 24, 2, 400.0, None, 300.0, 350.0, None, None, 87.0)
+    for row in (with_deepep, without):
+        assert bench.Row(**json.loads(json.dumps(asdict(row)))) == row
+    old = {k: v for k, v in asdict(without).items() if k not in ("deepep_us", "deepep_ratio")}  # before --peers
+    assert bench.Row(**old).deepep_us is None and bench.Row(**old).deepep_ratio is None
+
+
+def test_a_row_gets_deepep_figures_only_where_every_rank_has_one():
+    row = bench.Row("ll-dispatch", 128, 7168, 8, 256, 0, 2, 40.0, None, 1.0, 1.0, None, None, 1.0)
+    assert bench._slowest([31.0, 35.5]) == 35.5
+    assert bench._slowest([31.0, None]) is None and bench._slowest([]) is None
+    assert bench._with_deepep(row, None, 40.0).deepep_us is None
+    assert bench._with_deepep(row, 50.04, 40.0) is row
+    assert (row.deepep_us, row.deepep_ratio) == (50.0, 1.25)
+
+
+def test_summary_shows_deepep_columns(tmp_path, capsys, monkeypatch):
+    """The table has DeepEP us and DeepEP/epjit after NCCL/epjit: a row with DeepEP's figure shows it, a row of an
+    older file (no deepep fields) and a row DeepEP was not timed for show '-'."""
+    monkeypatch.setattr(bench._print_row, "header", False, raising=False)
+    timed = bench.Row("layout-dispatch", 128, 7168, 8, 256, 24, 2, 120.0, 150.0, 10.0, 20.0, 8.0, 1.25, 3.0,
+                      num_nvl_ranks=2, deepep_us=140.0, deepep_ratio=1.17)
+    untimed = bench.Row("cached-dispatch", 128, 7168, 8, 256, 24, 2, 60.0, 150.0, 10.0, 20.0, 8.0, 2.5, 3.0,
+                        num_nvl_ranks=2)
+    old = {k: v for k, v in asdict(bench.Row("combine", 4096, 7168, 8, 256, 24, 4, 512.5, 640.0, 310.0, 420.0,
+                                             250.0, 1.25, 90.0)).items() if k not in ("deepep_us", "deepep_ratio")}
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps({"meta": {}, "rows": [asdict(timed), asdict(untimed), old]}))
+    assert bench.main(["--summary", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[0].split()
+    at = header.index("NCCL/epjit")
+    assert header[at + 1:at + 4] == ["DeepEP", "us", "DeepEP/epjit"]
+    cells = {line.split()[0]: line.split() for line in lines[1:]}
+    assert cells["layout-dispatch"][10:13] == ["1.25", "140.0", "1.17"]  # NCCL/epjit, DeepEP us, DeepEP/epjit
+    assert cells["cached-dispatch"][11:13] == ["-", "-"]
+    assert cells["combine"][11:13] == ["-", "-"] and cells["combine"][5] == "512.5"
+
+
+# --------------------------------------------------------------------------------------------- the DeepEP peer
+
+
+@pytest.fixture
+def fake_timing(monkeypatch):
+    """The timing protocol replaced (no GPU): each timed function runs once after a ("timed", with a before-hook)
+    mark in ``calls``; medians are 100, 101, ... in call order; hook halves are (7, 8)."""
+    calls = []
+    count = iter(range(100, 1000))
+
+    def median_us(fn, group, repeat, warmup=5, before=None):
+        if before is not None:
+            before()
+        calls.append(("timed", before is not None))
+        fn()
+        return float(next(count))
+
+    def hook_halves_us(send_half, group, repeat, before=None):
+        if before is not None:
+            before()
+        calls.append(("timed halves", before is not None))
+        send_half().hook()
+        return 7.0, 8.0
+
+    monkeypatch.setattr(bench, "_median_us", median_us)
+    monkeypatch.setattr(bench, "_graph", lambda fn, warmup=None: types.SimpleNamespace(replay=fn))
+    monkeypatch.setattr(bench, "hook_halves_us", hook_halves_us)
+    return calls
+
+
+def _after_mark(calls):
+    """What the last timed function called."""
+    marks = [i for i, c in enumerate(calls) if c[0].startswith("timed")]
+    return calls[marks[-1] + 1:]
+
+
+def test_deepep_normal_buffer_is_sized_by_its_hint_over_the_run(fake_timing, capsys):
+    calls = fake_timing
+    peer = peers.DeepEPPeer(_Group(2), deep_ep=_fake_deep_ep(calls), torch_group="WORLD")
+    peer.open_normal(7168, [8, 12, 16, 24, 24])
+    # the largest hint: 24 SMs (12 channels) x 2 ranks x 256 slots x 2H bytes
+    assert calls == [("Buffer", "WORLD", 12 * 2 * 256 * 2 * 7168, 0, False, 24, True)]
+    assert peer.deep_ep.Buffer.num_sms == 20  # the class-wide SM count is put back
+    assert "DeepEP normal-mode buffer: 84.0 MiB a rank" in capsys.readouterr().out
+    peer.close()
+    assert calls[-1] == ("destroy", True) and peer.normal is None
+
+
+@pytest.mark.parametrize("mode, timed", [
+    # given the layout, as epjit's dispatch row: the dispatch alone
+    ("dispatch", [("dispatch", "ndarray", None, "per_rank", "in_rank", "per_expert", True, "w", 16, 24)]),
+    # with a fresh routing: the layout and the dispatch, both timed
+    ("layout-dispatch-fp8", [("layout", 256),
+                             ("dispatch", "tuple", None, "per_rank", "in_rank", "per_expert", True, "w", 16, 24)]),
+    # the handle replayed: x alone, no layout, no top-k
+    ("cached-dispatch", [("dispatch", "ndarray", "handle", None, None, None, False, None, 16, 24)]),
+    # combine of the dispatched rows, with DeepEP's combine config (chunk 10 on 2 ranks)
+    ("combine", [("combine", "recv_x", "handle", None, 16, 10)]),
+])
+def test_deepep_normal_rows_time_the_same_calls_as_epjit(mode, timed, fake_timing):
+    calls = fake_timing
+    peer = peers.DeepEPPeer(_Group(2), deep_ep=_fake_deep_ep(calls), torch_group="WORLD")
+    peer.open_normal(7168, [16])
+    x = np.zeros((64, 7168), dtype=np.float32)
+    x_arg = (x.astype(np.uint8), np.ones((64, 56), dtype=np.float32)) if mode.endswith("fp8") else x
+    assert peer.normal_us(mode, x_arg, np.zeros((64, 8), dtype=np.int64), "w", 256, 16, 30) == 100.0
+    assert _after_mark(calls) == timed
+    assert ("timed", False) in calls  # normal mode needs nothing restored between calls
+
+
+def test_deepep_refusing_a_case_leaves_its_cell_empty(fake_timing, capsys):
+    """An odd SM count (DeepEP's set_num_sms refuses it) gives None and one line; so does a refusal on another rank
+    only: every rank takes the same decision."""
+    calls = fake_timing
+    peer = peers.DeepEPPeer(_Group(2), deep_ep=_fake_deep_ep(calls), torch_group="WORLD")
+    peer.open_normal(7168, [23, 24])
+    x, idx = np.zeros((8, 7168)), np.zeros((8, 8), dtype=np.int64)
+    assert peer.normal_us("dispatch", x, idx, "w", 256, 23, 30) is None
+    out = capsys.readouterr().out
+    assert "DeepEP dispatch 8x7168 at 23 SMs: not timed (rank 0: AssertionError: The SM count must be even)" in out
+    assert peer.deep_ep.Buffer.num_sms == 20
+    peer.group.others = lambda error: error or "RuntimeError: DeepEP error: CPU recv timeout"  # rank 1 fails
+    assert peer.normal_us("dispatch", x, idx, "w", 256, 24, 30) is None
+    assert "(rank 1: RuntimeError: DeepEP error: CPU recv timeout)" in capsys.readouterr().out
+
+
+def test_deepep_buffers_without_a_config_for_the_rank_count(fake_timing, capsys):
+    calls = fake_timing
+    peer = peers.DeepEPPeer(_Group(3), deep_ep=_fake_deep_ep(calls), torch_group="WORLD")
+    peer.open_normal(7168, [24])
+    assert peer.normal is None and not [c for c in calls if c[0] == "Buffer"]
+    assert "DeepEP normal-mode Buffer: not timed (rank 0: ValueError: DeepEP has a config for none" in \
+        capsys.readouterr().out
+    assert peer.normal_us("dispatch", np.zeros((8, 7168)), np.zeros((8, 8)), "w", 256, 24, 30) is None
+
+
+def test_deepep_low_latency_rows_replay_graphs_from_a_clean_buffer(fake_timing, monkeypatch, capsys):
+    """The low-latency Buffer: DeepEP's size hint, one QP a local expert, the NIC-less defaults unless set. Each
+    timed replay follows a clean of DeepEP's two buffers (a one-call graph would find its counters dirty); the hook
+    halves take the hook DeepEP returns last."""
+    calls = fake_timing
+    monkeypatch.setenv("DEEPEP_IBGDA", "1")  # set by the user: kept
+    monkeypatch.delenv("NVSHMEM_REMOTE_TRANSPORT", raising=False)
+    peer = peers.DeepEPPeer(_Group(2), deep_ep=_fake_deep_ep(calls), torch_group="WORLD")
+    peer.open_low_latency(256, 7168, 256)
+    assert os.environ["DEEPEP_IBGDA"] == "1" and os.environ["NVSHMEM_REMOTE_TRANSPORT"] == "none"
+    assert calls == [("Buffer", "WORLD", 0, 256 * 7168 * 256, True, 128, True)]
+    times = peer.low_latency_us(["ll-dispatch", "ll-combine", "ll-hook"], "x", np.zeros((32, 8)), "w", "y", 30)
+    assert times == {"ll-dispatch": 100.0, "ll-dispatch-send": 7.0, "ll-dispatch-recv": 8.0,
+                     "ll-combine": 101.0, "ll-combine-send": 7.0, "ll-combine-recv": 8.0}
+    marks = [i for i, c in enumerate(calls) if c[0].startswith("timed")]
+    assert len(marks) == 4 and all(calls[i][1] and calls[i - 1] == ("clean", 256, 7168, 256) for i in marks)
+    ends = [*marks[1:], len(calls)]
+    timed = [[c for c in calls[i + 1:j] if c[0] != "clean"] for i, j in zip(marks, ends, strict=True)]
+    assert timed == [[("ll_dispatch", 256, 256, True, False)],
+                     [("ll_dispatch", 256, 256, True, True), ("dispatch hook",)],
+                     [("ll_combine", "ll_handle", False)],
+                     [("ll_combine", "ll_handle", True), ("combine hook",)]]
+    assert "DeepEP low-latency buffer" in capsys.readouterr().out
+    peer.deep_ep.Buffer.refuse_combine = True
+    times = peer.low_latency_us(["ll-dispatch", "ll-combine", "ll-hook"], "x", np.zeros((32, 8)), "w", "y", 30)
+    assert times["ll-dispatch"] is not None and times["ll-dispatch-send"] == 7.0
+    assert times["ll-combine"] is None and times["ll-combine-send"] is None and times["ll-combine-recv"] is None
+    assert "DeepEP ll-combine 32 tokens: not timed (rank 0: RuntimeError: Failed: Assertion error" in \
+        capsys.readouterr().out
+
+
+def test_an_older_deepep_buffer_is_released_by_dropping_it(fake_timing):
+    calls = fake_timing
+    peer = peers.DeepEPPeer(_Group(2), deep_ep=_fake_deep_ep(calls, explicit_destroy=False), torch_group="WORLD")
+    peer.open_low_latency(128, 7168, 256)
+    assert calls == [("Buffer", "WORLD", 0, 128 * 7168 * 256, True, 128)]  # no explicitly_destroy passed
+    peer.close()
+    assert peer.low_latency is None and not [c for c in calls if c[0] == "destroy"]
+
+
+@pytest.mark.parametrize("mode, timed", [
+    ("dispatch", [("dispatch", "x", "idx", "w", "layout", None, "cfg")]),
+    ("dispatch-fp8", [("dispatch", "x", "idx", "w", "layout", None, "cfg")]),
+    ("layout-dispatch", [("layout", "idx", 256), ("dispatch", "x", "idx", "w", "fresh layout", None, "cfg")]),
+    ("cached-dispatch-fp8", [("dispatch", "x", None, None, None, "d.handle", "cfg")]),
+    ("combine", [("combine", "d.x", "d.handle", "cfg")]),
+])
+def test_epjit_rows_time_the_same_calls_as_deepep(mode, timed):
+    """epjit's call for each row: a new mode is an epjit row first, made as a user makes that call."""
+    calls = []
+
+    class Buf:
+        def get_dispatch_layout(self, idx, num_experts):
+            calls.append(("layout", idx, num_experts))
+            return "fresh layout"
+
+        def dispatch(self, x, topk_idx=None, topk_weights=None, layout=None, handle=None, config=None):
+            calls.append(("dispatch", x, topk_idx, topk_weights, layout, handle, config))
+
+        def combine(self, y, handle, config=None):
+            calls.append(("combine", y, handle, config))
+
+    d = types.SimpleNamespace(x="d.x", handle="d.handle")
+    call = bench._epjit_call(Buf(), mode, "x", "idx", "w", "layout", d, "cfg", 256)
+    assert calls == []  # nothing runs until timed
+    call()
+    assert calls == timed

@@ -1,14 +1,17 @@
-"""``python -m epjit.launch -n N -m epjit.bench [--json out.json]``: epjit beside NCCL all_to_all_single.
+"""``python -m epjit.launch -n N -m epjit.bench [--json out.json]``: epjit beside NCCL all_to_all_single and DeepEP.
 
 Same run, same inputs, same bytes: for each case the routing's split sizes feed NCCL's ``all_to_all_single`` (what a
-user would write instead of epjit). Timing follows docs/benchmark.md's protocol: CUDA events around the operation,
-warm-up first, median of ``--repeat`` runs (>= 20), a barrier between runs: a host barrier, a 500 us wall-clock
-spin on the GPU that hides the host's launches of what follows, then a one-element NCCL all_reduce so every GPU
-starts the timed operation at about the same moment (see _start_together).
+user would write instead of epjit); with --peers deepep, DeepEP V1 (built from source, importable as deep_ep) makes
+the same calls on the same inputs (epjit/bench/peers.py). Every figure is timed the same way, following
+docs/benchmark.md's protocol: CUDA events around the operation, warm-up first, median of ``--repeat`` runs (>= 20),
+a barrier between runs: a host barrier, a 500 us wall-clock spin on the GPU that hides the host's launches of what
+follows, then a one-element NCCL all_reduce so every GPU starts the timed operation at about the same moment (see
+_start_together).
 
-Bandwidth columns:
+Columns beside epjit's time:
+  NCCL us, DeepEP us  the peers' medians of the same work (slowest rank); NCCL/epjit, DeepEP/epjit: their ratios
   out GB/s    bytes that leave this GPU (rows to other ranks) / time: what NVLink carries
-  DeepEP GB/s received rows (self included) x row bytes / time: DeepEP's accounting, to compare with theirs
+  DeepEP GB/s epjit's time in DeepEP's accounting: received rows (self included) x row bytes / time
   % NVLink    out GB/s against the measured plain-store ceiling (PLAIN_STORE_CEILING_GBS; docs/performance.md)
 Across NVLink nodes (--num-nvl-ranks V below the ranks), also:
   V           ranks of one NVLink node
@@ -33,6 +36,7 @@ from typing import Any
 from ..config import Config, get_combine_config, get_dispatch_config
 from ..env import WORLD_SIZE, settings
 from ..kernels.low_latency import deepep_low_latency_size_hint
+from .peers import DeepEPPeer, deepep_problem, nccl_bytes_us, nccl_case_us
 
 # 16-byte stores from all SMs, all ranks to all peers at once, 4 x H200 (docs/performance.md: the ceilings)
 PLAIN_STORE_CEILING_GBS = 345.0
@@ -60,6 +64,24 @@ class Row:
     rdma_bytes: int | None = None  # their bytes on the wire, all ranks (put ceiling: bytes put by all ranks)
     rdma_gbs: float | None = None  # RDMA bytes leaving a rank / its time, slowest rank
     pct_put: float | None = None  # rdma_gbs against the best put ceiling of the same run
+    # Rows of runs before --peers deepep lack these (None), as do rows DeepEP was not timed for.
+    deepep_us: float | None = None  # DeepEP's median of the same call (slowest rank)
+    deepep_ratio: float | None = None  # DeepEP time / epjit time: above 1, epjit is faster
+
+
+# Normal-mode modes: the operation (dispatch, dispatch-fp8, combine), or a dispatch made another way: "layout-": with
+# get_dispatch_layout inside the timed call (as a user calls it on a fresh routing), "cached-": replaying the handle
+# of an earlier dispatch.
+NORMAL_MODES = ("dispatch", "dispatch-fp8", "combine", "layout-dispatch", "layout-dispatch-fp8", "cached-dispatch",
+                "cached-dispatch-fp8")
+LOW_LATENCY_MODES = ("ll-dispatch", "ll-combine", "ll-hook")
+PEERS = ("nccl", "deepep")
+
+
+def base_mode(mode: str) -> str:
+    """The operation a normal-mode mode times (``cached-dispatch-fp8`` -> ``dispatch-fp8``): its bytes, inputs and
+    NCCL peer are the operation's."""
+    return mode.removeprefix("layout-").removeprefix("cached-")
 
 
 def rdma_message_bytes(mode: str, hidden: int, topk: int) -> int:
@@ -131,12 +153,15 @@ def put_mode_name(chunk_bytes: int, warps: int) -> str:
 
 
 def topology_problem(num_ranks: int | None, num_nvl_ranks: int | None, modes: list[str], warp_roles: str = "",
-                     sms: list[int] | None = None) -> str | None:
+                     sms: list[int] | None = None, peers: list[str] | None = None) -> str | None:
     """Why these options cannot run on ``num_ranks`` ranks (None: not known yet, only what needs no rank count is
     checked), or None. Every rank finds the same answer."""
     v = num_nvl_ranks
     if v is not None and not 1 <= v <= 8:
         return f"--num-nvl-ranks {v} must be in [1, 8] (the ranks of one NVLink node)"
+    if "deepep" in (peers or []) and v is not None and (num_ranks is None or v < num_ranks):
+        return (f"--peers deepep with --num-nvl-ranks {v}: DeepEP is timed inside one NVLink node only (its "
+                "internode kernels need nodes of 8 GPUs over RDMA, not virtual nodes); drop one of them")
     if "put-ceiling" in modes and (v is None or v == num_ranks):
         return ("--put-ceiling times NVSHMEM puts between ranks of different NVLink nodes: it needs several, "
                 "--num-nvl-ranks V with V below the ranks (e.g. 2 on 4 GPUs: two virtual nodes of 2)")
@@ -201,14 +226,20 @@ _SPIN: Any = None
 _HIDE_LAUNCH_NS = 500_000
 
 
-def _median_us(fn: Any, group: Any, repeat: int, warmup: int = 5) -> float:
+def _median_us(fn: Any, group: Any, repeat: int, warmup: int = 5, before: Any = None) -> float:
+    """Median microseconds of ``fn`` (docs/benchmark.md's protocol); ``before``, if given, runs before each call,
+    untimed (it restores a state the call needs)."""
     import torch
 
     for _ in range(warmup):
+        if before is not None:
+            before()
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeat):
+        if before is not None:
+            before()
         _start_together(group)  # every rank starts together, as in a real step
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -265,23 +296,30 @@ def run(args: argparse.Namespace) -> list[Row]:
 
     group = init_with_nccl(args.num_nvl_ranks)
     rows: list[Row] = []
-    normal_modes = [m for m in args.modes if m in ("dispatch", "dispatch-fp8", "combine")]
-    ll_modes = [m for m in args.modes if m.startswith("ll-")]
+    normal_modes = [m for m in args.modes if m in NORMAL_MODES]
+    ll_modes = [m for m in args.modes if m in LOW_LATENCY_MODES]
+    peer = None
     try:
-        problem = topology_problem(group.size, args.num_nvl_ranks, args.modes, args.warp_roles, args.sms)
+        problem = topology_problem(group.size, args.num_nvl_ranks, args.modes, args.warp_roles, args.sms,
+                                   args.peers)
         if problem:  # the same on every rank: each leaves with it
             raise SystemExit(f"python -m epjit.bench: error: {problem}")
+        peer = DeepEPPeer(group) if "deepep" in args.peers else None
         if "put-ceiling" in args.modes:
             rows += _bench_put_ceiling(group, args)
         if "ceiling" in args.modes:
             rows += _bench_ceiling(group, args)
         if ll_modes:
-            rows += _bench_low_latency(group, dist, args, ll_modes)
+            rows += _bench_low_latency(group, dist, args, ll_modes, peer)
         if normal_modes:
             put_gbs = max((row.rdma_gbs or 0.0 for row in rows if row.mode.startswith("ceil-put")), default=0.0)
-            rows += _bench_normal(group, dist, args, normal_modes, put_gbs or None)
+            rows += _bench_normal(group, dist, args, normal_modes, put_gbs or None, peer)
     finally:
-        dist.destroy_process_group()
+        try:
+            if peer is not None:
+                peer.close()  # DeepEP's Buffers first: their destroy() synchronises the ranks
+        finally:
+            dist.destroy_process_group()
     for row in rows:
         row.num_nvl_ranks = group.num_nvl_ranks
     return rows
@@ -486,9 +524,10 @@ def _normal_buffer(group: Any, args: argparse.Namespace, configs: list[Config]) 
 
 
 def _bench_normal(group: Any, dist: Any, args: argparse.Namespace, modes: list[str],
-                  put_gbs: float | None = None) -> list[Row]:
-    """Normal-mode dispatch, FP8 dispatch and combine, inside one NVLink node or across several (an internode
-    Buffer, with the RDMA leg's columns; ``put_gbs``: the run's best put ceiling, for their % put)."""
+                  put_gbs: float | None = None, peer: DeepEPPeer | None = None) -> list[Row]:
+    """Normal-mode dispatch (with a given layout, with its layout, replaying a handle), FP8 dispatch and combine,
+    inside one NVLink node or across several (an internode Buffer, with the RDMA leg's columns; ``put_gbs``: the
+    run's best put ceiling, for their % put); with ``peer``, DeepEP's figure of each."""
     r = group.size
     roles = parse_roles(args.warp_roles)
     configs = _case_configs(args, modes, r, roles)
@@ -497,25 +536,32 @@ def _bench_normal(group: Any, dist: Any, args: argparse.Namespace, modes: list[s
         print(f"intranode kernels: {Config(**roles).spec(r).family}", flush=True)
     rows: list[Row] = []
     try:
+        if peer is not None:
+            peer.open_normal(max(args.hidden), [cfg.num_sms for cfg in configs.values()])
         for hidden in args.hidden:
             for tokens in args.tokens:
                 for sms in args.sms:
                     for mode in modes:
                         cfg = configs[mode, sms]
-                        rows.append(_bench_case(buf, group, dist, mode, tokens, hidden, args, cfg, put_gbs))
+                        rows.append(_bench_case(buf, group, dist, mode, tokens, hidden, args, cfg, put_gbs, peer))
                         if group.rank == 0:
                             _print_row(rows[-1])
     finally:
-        buf.close()
+        try:
+            buf.close()
+        finally:
+            if peer is not None:
+                peer.close_normal()
     return rows
 
 
-def _graph(fn: Any, warmup: Any = None) -> Any:
+def _graph(fn: Any, warmup: Any = None, stream: Any = None) -> Any:
     """``fn`` captured once in a torch CUDA graph, after two eager calls of ``warmup`` (default: ``fn``) on the
-    capture stream (CuPy's memory pool is per stream: the capture must find its blocks there)."""
+    capture stream (CuPy's memory pool is per stream: the capture must find its blocks there): ``stream``, or a new
+    one."""
     import torch
 
-    stream = torch.cuda.Stream()
+    stream = stream or torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):
@@ -538,16 +584,21 @@ def _graph_floor_us(group: Any, repeat: int) -> float:
     return max(group.allgather_object(_median_us(g.replay, group, repeat)))
 
 
-def _median_halves_us(first: Any, second: Any, group: Any, repeat: int) -> tuple[float, float]:
-    """Medians of two back-to-back steps (a send half, then its receive half), timed separately."""
+def _median_halves_us(first: Any, second: Any, group: Any, repeat: int, before: Any = None) -> tuple[float, float]:
+    """Medians of two back-to-back steps (a send half, then its receive half), timed separately; ``before`` as for
+    _median_us, once before each pair."""
     import torch
 
     for _ in range(3):
+        if before is not None:
+            before()
         first()
         second()
     torch.cuda.synchronize()
     a, b = [], []
     for _ in range(repeat):
+        if before is not None:
+            before()
         _start_together(group)
         e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         e[0].record()
@@ -561,23 +612,29 @@ def _median_halves_us(first: Any, second: Any, group: Any, repeat: int) -> tuple
     return statistics.median(a), statistics.median(b)
 
 
-def hook_halves_us(send_half: Any, group: Any, repeat: int) -> tuple[float, float]:
+def hook_halves_us(send_half: Any, group: Any, repeat: int, before: Any = None) -> tuple[float, float]:
     """Medians of the send and receive halves of a low-latency call: ``send_half`` makes the call with
-    return_recv_hook=True and returns its result. Each half in its own CUDA graph: the send half's capture leaves
-    its hook pending, the receive half's runs it."""
+    return_recv_hook=True and returns its result (with the hook as ``.hook``). Each half in its own CUDA graph: the
+    send half's capture leaves its hook pending, the receive half's runs it, both captured on one stream (DeepEP's
+    hook launches on the stream its call ran on). ``before`` as for _median_us."""
+    import torch
+
     held: list[Any] = []
 
     def whole_call() -> None:  # the warm-up runs both halves, so no hook is left pending
         send_half().hook()
 
-    send = _graph(lambda: held.append(send_half()), warmup=whole_call)
-    recv = _graph(lambda: held.pop().hook(), warmup=lambda: None)
-    return _median_halves_us(send.replay, recv.replay, group, repeat)
+    stream = torch.cuda.Stream()
+    send = _graph(lambda: held.append(send_half()), warmup=whole_call, stream=stream)
+    recv = _graph(lambda: held.pop().hook(), warmup=lambda: None, stream=stream)
+    return _median_halves_us(send.replay, recv.replay, group, repeat, before)
 
 
-def _bench_low_latency(group: Any, dist: Any, args: argparse.Namespace, modes: list[str]) -> list[Row]:
+def _bench_low_latency(group: Any, dist: Any, args: argparse.Namespace, modes: list[str],
+                       peer: DeepEPPeer | None = None) -> list[Row]:
     """Low-latency dispatch (FP8) and combine (bf16), each timed over CUDA-graph replays, beside NCCL moving the
-    same (token, expert) messages; with ll-hook, the send and receive halves of each, timed separately."""
+    same (token, expert) messages and, with ``peer``, DeepEP's same calls; with ll-hook, the send and receive
+    halves of each, timed separately."""
     import epjit
 
     r, rank, hidden, experts = group.size, group.rank, args.hidden[0], args.experts
@@ -593,24 +650,20 @@ def _bench_low_latency(group: Any, dist: Any, args: argparse.Namespace, modes: l
     if rank == 0:
         print(f"protocol floor: a CUDA graph of one tiny kernel times {floor:.1f} us here", flush=True)
     try:
+        if peer is not None:
+            peer.open_low_latency(max_tokens, hidden, experts)
         for tokens in args.ll_tokens:
-            for row in _bench_low_latency_case(buf, group, dist, args, modes, tokens):
+            for row in _bench_low_latency_case(buf, group, dist, args, modes, tokens, peer):
                 rows.append(row)
                 if rank == 0:
                     _print_row(row)
     finally:
-        buf.close()
+        try:
+            buf.close()
+        finally:
+            if peer is not None:
+                peer.close_low_latency()
     return rows
-
-
-def _nccl_bytes_us(dist: Any, group: Any, send_rows: list[int], recv_rows: list[int], row_bytes: int,
-                   repeat: int) -> float:
-    """NCCL all_to_all_single moving these rows of ``row_bytes`` bytes (as uint8)."""
-    import torch
-
-    inp = torch.empty(sum(send_rows), row_bytes, dtype=torch.uint8, device="cuda")
-    out = torch.empty(sum(recv_rows), row_bytes, dtype=torch.uint8, device="cuda")
-    return _median_us(lambda: dist.all_to_all_single(out, inp, recv_rows, send_rows), group, repeat)
 
 
 def _profile_low_latency(buf: Any, group: Any, x: Any, idx: Any, w: Any, y: Any, handle: Any, tokens: int) -> None:
@@ -637,21 +690,10 @@ def _profile_low_latency(buf: Any, group: Any, x: Any, idx: Any, w: Any, y: Any,
                 print(f"  profile ll-{name} {tokens} tokens{' (hook)' if hook else ''}: {prof}", flush=True)
 
 
-def _bench_low_latency_case(buf: Any, group: Any, dist: Any, args: argparse.Namespace, modes: list[str],
-                            tokens: int) -> list[Row]:
-    import torch
-
-    r, rank, hidden, experts, topk = group.size, group.rank, buf.hidden, buf.num_experts, args.topk
-    max_tokens, num_local = buf.num_max_dispatch_tokens_per_rank, experts // r
-    rows: list[Row] = []
-    idx, w = _routing(tokens, topk, experts, seed=4321 + rank)
-    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
-    y = torch.randn(num_local, r * max_tokens, hidden, device="cuda").to(torch.bfloat16)
-    pairs = [int(v) for v in torch.bincount(idx.flatten() // num_local, minlength=r).tolist()]
-    recv_pairs = [int(p[rank]) for p in group.allgather_object(pairs)]
-    msg = hidden + hidden // 128 * 4 + 16
-    d = buf.low_latency_dispatch(x, idx, max_tokens, experts)
-    handle = d.handle
+def _time_low_latency(buf: Any, group: Any, args: argparse.Namespace, modes: list[str], x: Any, idx: Any, w: Any,
+                      y: Any, handle: Any) -> dict[str, float]:
+    """epjit's medians of a low-latency case, keyed by row mode; then its profile, or its host time."""
+    max_tokens, experts = buf.num_max_dispatch_tokens_per_rank, buf.num_experts
     timed: dict[str, float] = {}
     if "ll-dispatch" in modes:
         g = _graph(lambda: buf.low_latency_dispatch(x, idx, max_tokens, experts))
@@ -667,59 +709,78 @@ def _bench_low_latency_case(buf: Any, group: Any, dist: Any, args: argparse.Name
         for name, send_half in halves.items():
             timed[f"{name}-send"], timed[f"{name}-recv"] = hook_halves_us(send_half, group, args.repeat)
     if args.profile:
-        _profile_low_latency(buf, group, x, idx, w, y, handle, tokens)
+        _profile_low_latency(buf, group, x, idx, w, y, handle, idx.shape[0])
     else:  # EPJIT_PROFILE's stamps would be timed too
         host = {name: _host_us(call, args.repeat) for name, call in (
             ("dispatch", lambda: buf.low_latency_dispatch(x, idx, max_tokens, experts)),
             ("combine", lambda: buf.low_latency_combine(y, idx, w, handle)))}
-        if rank == 0:
-            print(f"  host time of an eager call, {tokens} tokens: " +
+        if group.rank == 0:
+            print(f"  host time of an eager call, {idx.shape[0]} tokens: " +
                   ", ".join(f"{k} {v:.1f} us" for k, v in host.items()), flush=True)
+    return timed
+
+
+def _slowest(values: list[float | None]) -> float | None:
+    """The slowest rank's figure, or None where some rank has none (a peer not timed)."""
+    return None if not values or None in values else max(v for v in values if v is not None)
+
+
+def _with_deepep(row: Row, deepep_us: float | None, epjit_us: float) -> Row:
+    """``row`` with DeepEP's time of the same call and its ratio to epjit's (None: not timed)."""
+    if deepep_us:
+        row.deepep_us, row.deepep_ratio = round(deepep_us, 1), round(deepep_us / epjit_us, 2)
+    return row
+
+
+def _bench_low_latency_case(buf: Any, group: Any, dist: Any, args: argparse.Namespace, modes: list[str],
+                            tokens: int, peer: DeepEPPeer | None = None) -> list[Row]:
+    import torch
+
+    r, rank, hidden, experts, topk = group.size, group.rank, buf.hidden, buf.num_experts, args.topk
+    max_tokens, num_local = buf.num_max_dispatch_tokens_per_rank, experts // r
+    rows: list[Row] = []
+    idx, w = _routing(tokens, topk, experts, seed=4321 + rank)
+    x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
+    y = torch.randn(num_local, r * max_tokens, hidden, device="cuda").to(torch.bfloat16)
+    pairs = [int(v) for v in torch.bincount(idx.flatten() // num_local, minlength=r).tolist()]
+    recv_pairs = [int(p[rank]) for p in group.allgather_object(pairs)]
+    msg = hidden + hidden // 128 * 4 + 16
+    d = buf.low_latency_dispatch(x, idx, max_tokens, experts)
+    timed = _time_low_latency(buf, group, args, modes, x, idx, w, y, d.handle)
     nccl: dict[str, float | None] = {"dispatch": None, "combine": None}
     if not args.no_nccl:
-        nccl["dispatch"] = _nccl_bytes_us(dist, group, pairs, recv_pairs, msg, args.repeat)
-        nccl["combine"] = _nccl_bytes_us(dist, group, recv_pairs, pairs, 2 * hidden, args.repeat)
-    all_times = group.allgather_object((timed, nccl))
+        nccl["dispatch"] = nccl_bytes_us(dist, group, pairs, recv_pairs, msg, args.repeat)
+        nccl["combine"] = nccl_bytes_us(dist, group, recv_pairs, pairs, 2 * hidden, args.repeat)
+    deepep = peer.low_latency_us(modes, x, idx, w, y, args.repeat) if peer is not None else {}
+    all_times = group.allgather_object((timed, nccl, deepep))
     for mode in timed:
         t = max(a[0][mode] for a in all_times)
         kind = "combine" if "combine" in mode else "dispatch"
-        peer = [a[1][kind] for a in all_times]
-        nccl_us = max(peer) if None not in peer else None
+        nccl_us = _slowest([a[1][kind] for a in all_times])
         row_bytes = msg if kind == "dispatch" else 2 * hidden
         moved = sum(pairs) * row_bytes  # docs/benchmark.md: valid (token, expert) pairs x message bytes
         out_bytes = (sum(pairs) - pairs[rank]) * row_bytes
-        rows.append(Row(mode, tokens, hidden, topk, experts, buf._ll.num_sms if buf._ll else 0, r,
-                        round(t, 1), round(nccl_us, 1) if nccl_us else None,
-                        round(out_bytes / (t * 1e-6) / 1e9, 1), round(moved / (t * 1e-6) / 1e9, 1),
-                        round(out_bytes / (nccl_us * 1e-6) / 1e9, 1) if nccl_us else None,
-                        round(nccl_us / t, 2) if nccl_us else None,
-                        round(100 * out_bytes / (t * 1e-6) / 1e9 / PLAIN_STORE_CEILING_GBS, 1)))
+        row = Row(mode, tokens, hidden, topk, experts, buf._ll.num_sms if buf._ll else 0, r,
+                  round(t, 1), round(nccl_us, 1) if nccl_us else None,
+                  round(out_bytes / (t * 1e-6) / 1e9, 1), round(moved / (t * 1e-6) / 1e9, 1),
+                  round(out_bytes / (nccl_us * 1e-6) / 1e9, 1) if nccl_us else None,
+                  round(nccl_us / t, 2) if nccl_us else None,
+                  round(100 * out_bytes / (t * 1e-6) / 1e9 / PLAIN_STORE_CEILING_GBS, 1))
+        rows.append(_with_deepep(row, _slowest([a[2].get(mode) for a in all_times]), t))
     return rows
 
 
 def _case_input(mode: str, tokens: int, hidden: int) -> tuple[Any, int]:
-    """A case's dispatch input (bf16 rows, or FP8 rows with one scale per 128 channels) and its row's bytes."""
+    """A case's dispatch input (bf16 rows, or FP8 rows with one scale per 128 channels, for a mode ending in -fp8)
+    and its row's bytes."""
     import torch
 
     x = torch.randn(tokens, hidden, device="cuda").to(torch.bfloat16)
-    if mode != "dispatch-fp8":
+    if not mode.endswith("-fp8"):
         return x, hidden * 2
     scales = x.float().view(tokens, hidden // 128, 128).abs().amax(-1).clamp(min=1e-4) / 448
     xq = (x.float().view(tokens, hidden // 128, 128) / scales[..., None]).view(tokens, hidden)
     return (xq.to(torch.float8_e4m3fn), scales.contiguous()), hidden + hidden // 128 * 4
-
-
-def _nccl_case_us(dist: Any, group: Any, mode: str, row_bytes: int, send_counts: list[int],
-                  recv_counts: list[int], repeat: int) -> float:
-    """NCCL all_to_all_single moving a normal-mode case's rows (bf16, or FP8 rows as uint8) with its split sizes."""
-    import torch
-
-    fp8 = mode == "dispatch-fp8"
-    cols, dtype = (row_bytes, torch.uint8) if fp8 else (row_bytes // 2, torch.bfloat16)
-    in_split, out_split = (recv_counts, send_counts) if mode == "combine" else (send_counts, recv_counts)
-    inp = torch.empty(sum(in_split), cols, dtype=dtype, device="cuda")
-    out = torch.empty(sum(out_split), cols, dtype=dtype, device="cuda")
-    return _median_us(lambda: dist.all_to_all_single(out, inp, out_split, in_split), group, repeat)
 
 
 def _rdma_pairs(group: Any, layout: Any, idx: Any, mode: str, num_experts: int) -> tuple[int, int]:
@@ -749,36 +810,51 @@ def _profile_case(buf: Any, group: Any, op: Any, mode: str, tokens: int, hidden:
                   flush=True)
 
 
+def _epjit_call(buf: Any, mode: str, x: Any, idx: Any, w: Any, layout: Any, d: Any, cfg: Any,
+                num_experts: int) -> Any:
+    """The call a normal-mode row times: ``d`` is an earlier dispatch of the same inputs (its rows and handle)."""
+    if mode == "combine":
+        return lambda: buf.combine(d.x, d.handle, config=cfg)
+    if mode.startswith("cached-"):  # the handle's routing replayed
+        return lambda: buf.dispatch(x, handle=d.handle, config=cfg)
+    if mode.startswith("layout-"):  # the call as a user makes it with a fresh routing
+        return lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, layout=buf.get_dispatch_layout(idx, num_experts),
+                                    config=cfg)
+    return lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, layout=layout, config=cfg)
+
+
 def _bench_case(buf: Any, group: Any, dist: Any, mode: str, tokens: int, hidden: int, args: argparse.Namespace,
-                cfg: Any, put_gbs: float | None = None) -> Row:
+                cfg: Any, put_gbs: float | None = None, peer: DeepEPPeer | None = None) -> Row:
     r, rank = group.size, group.rank
     internode = group.num_nvl_ranks < r
+    operation = base_mode(mode)  # its bytes, its NCCL peer, its RDMA leg
     idx, w = _routing(tokens, args.topk, args.experts, seed=1234 + rank)
-    x_arg, row_bytes = _case_input(mode, tokens, hidden)
+    x_arg, row_bytes = _case_input(operation, tokens, hidden)
     layout = buf.get_dispatch_layout(idx, args.experts)
     d = buf.dispatch(x_arg, topk_idx=idx, topk_weights=w, layout=layout, config=cfg)
     send_counts = layout.num_tokens_per_rank.cpu().tolist()
     recv_counts = [int(c[rank]) for c in group.allgather_object(send_counts)]
     recv_rows = sum(recv_counts)
-    if mode == "combine":
-        op = (lambda: buf.combine(d.x, d.handle, config=cfg))  # noqa: E731
+    op = _epjit_call(buf, mode, x_arg, idx, w, layout, d, cfg, args.experts)
+    if operation == "combine":
         out_rows = recv_rows - recv_counts[rank]  # rows going back to other ranks
     else:
-        op = (lambda: buf.dispatch(x_arg, topk_idx=idx, topk_weights=w, layout=layout, config=cfg))  # noqa: E731
         out_rows = sum(send_counts) - send_counts[rank]
-    rdma_out, rdma_all = _rdma_pairs(group, layout, idx, mode, args.experts) if internode else (0, 0)
+    rdma_out, rdma_all = _rdma_pairs(group, layout, idx, operation, args.experts) if internode else (0, 0)
     t_epjit = _median_us(op, group, args.repeat)
     if args.profile:
         _profile_case(buf, group, op, mode, tokens, hidden, cfg)
-    nccl_us = None if args.no_nccl else _nccl_case_us(dist, group, mode, row_bytes, send_counts, recv_counts,
-                                                      args.repeat)
+    nccl_us = None if args.no_nccl else nccl_case_us(dist, group, operation, row_bytes, send_counts, recv_counts,
+                                                     args.repeat)
+    deepep_us = None if peer is None else peer.normal_us(mode, x_arg, idx, w, args.experts, cfg.num_sms,
+                                                         args.repeat)
     out_gbs = out_rows * row_bytes / (t_epjit * 1e-6) / 1e9
     deepep_gbs = recv_rows * row_bytes / (t_epjit * 1e-6) / 1e9
-    rdma_gbs = rdma_leg_bytes(mode, hidden, args.topk, rdma_out) / (t_epjit * 1e-6) / 1e9
+    rdma_gbs = rdma_leg_bytes(operation, hidden, args.topk, rdma_out) / (t_epjit * 1e-6) / 1e9
     # Report the slowest rank's time (every rank waits for it in a real step).
-    times = group.allgather_object((t_epjit, nccl_us, out_gbs, rdma_gbs))
+    times = group.allgather_object((t_epjit, nccl_us, out_gbs, rdma_gbs, deepep_us))
     t_epjit = max(t[0] for t in times)
-    nccl_us = max(t[1] for t in times) if nccl_us is not None else None
+    nccl_us = _slowest([t[1] for t in times])
     out_gbs = min(t[2] for t in times)
     rdma_gbs = min(t[3] for t in times)
     row = Row(mode, tokens, hidden, args.topk, args.experts, cfg.num_sms, r, round(t_epjit, 1),
@@ -787,15 +863,16 @@ def _bench_case(buf: Any, group: Any, dist: Any, mode: str, tokens: int, hidden:
               round(nccl_us / t_epjit, 2) if nccl_us else None, round(100 * out_gbs / PLAIN_STORE_CEILING_GBS, 1),
               group.num_nvl_ranks)
     if internode:
-        row.rdma_pairs, row.rdma_bytes = rdma_all, rdma_leg_bytes(mode, hidden, args.topk, rdma_all)
+        row.rdma_pairs, row.rdma_bytes = rdma_all, rdma_leg_bytes(operation, hidden, args.topk, rdma_all)
         row.rdma_gbs = round(rdma_gbs, 1)
         row.pct_put = round(100 * rdma_gbs / put_gbs, 1) if put_gbs else None
-    return row
+    return _with_deepep(row, _slowest([t[4] for t in times]), t_epjit)
 
 
-_HEADER = (f"{'mode':<16} {'tokens':>6} {'hidden':>6} {'sms':>3} {'R':>2} {'epjit us':>9} {'out GB/s':>8} "
-           f"{'DeepEP GB/s':>11} {'NCCL us':>8} {'NCCL GB/s':>9} {'NCCL/epjit':>10} {'% NVLink':>8} {'V':>2} "
-           f"{'RDMA pairs':>10} {'RDMA MB':>8} {'RDMA GB/s':>9} {'% put':>6}")
+_HEADER = (f"{'mode':<19} {'tokens':>6} {'hidden':>6} {'sms':>3} {'R':>2} {'epjit us':>9} {'out GB/s':>8} "
+           f"{'DeepEP GB/s':>11} {'NCCL us':>8} {'NCCL GB/s':>9} {'NCCL/epjit':>10} {'DeepEP us':>9} "
+           f"{'DeepEP/epjit':>12} {'% NVLink':>8} {'V':>2} {'RDMA pairs':>10} {'RDMA MB':>8} {'RDMA GB/s':>9} "
+           f"{'% put':>6}")
 
 
 def _cell(value: float | None, width: int, spec: str = ".1f") -> str:
@@ -808,11 +885,12 @@ def _print_row(row: Row) -> None:
         print(_HEADER)
         _print_row.header = True  # type: ignore[attr-defined]
     rdma_mb = row.rdma_bytes / 1e6 if row.rdma_bytes is not None else None
-    print(f"{row.mode:<16} {row.tokens:>6} {row.hidden:>6} {row.sms:>3} {row.ranks:>2} {row.epjit_us:>9.1f} "
+    print(f"{row.mode:<19} {row.tokens:>6} {row.hidden:>6} {row.sms:>3} {row.ranks:>2} {row.epjit_us:>9.1f} "
           f"{row.out_gbs:>8.1f} {row.deepep_gbs:>11.1f} {row.nccl_us or float('nan'):>8.1f} "
-          f"{row.nccl_out_gbs or float('nan'):>9.1f} {row.ratio or float('nan'):>10.2f} {row.pct_nvlink:>8.1f} "
-          f"{_cell(row.num_nvl_ranks, 2, 'd')} {_cell(row.rdma_pairs, 10, 'd')} {_cell(rdma_mb, 8)} "
-          f"{_cell(row.rdma_gbs, 9)} {_cell(row.pct_put, 6)}", flush=True)
+          f"{row.nccl_out_gbs or float('nan'):>9.1f} {row.ratio or float('nan'):>10.2f} {_cell(row.deepep_us, 9)} "
+          f"{_cell(row.deepep_ratio, 12, '.2f')} {row.pct_nvlink:>8.1f} {_cell(row.num_nvl_ranks, 2, 'd')} "
+          f"{_cell(row.rdma_pairs, 10, 'd')} {_cell(rdma_mb, 8)} {_cell(row.rdma_gbs, 9)} {_cell(row.pct_put, 6)}",
+          flush=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -838,12 +916,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="normal mode: Config's warp-role fields, e.g. dispatch_phased=1,combine_send_warps=3 "
                              "(default: the defaults for the rank count)")
     parser.add_argument("--modes", nargs="+", default=["dispatch", "dispatch-fp8", "combine"],
-                        choices=["dispatch", "dispatch-fp8", "combine", "ll-dispatch", "ll-combine", "ll-hook",
-                                 "ceiling", "put-ceiling"],
-                        help="normal mode: dispatch, dispatch-fp8, combine; low latency (CUDA-graph replays): "
-                             "ll-dispatch (FP8), ll-combine, ll-hook (send and receive halves of each); ceiling: "
-                             "warp and bulk (TMA) copies to one peer, to every peer and locally, by SMs "
-                             "(--ceiling-sms); put-ceiling: as --put-ceiling")
+                        choices=[*NORMAL_MODES, *LOW_LATENCY_MODES, "ceiling", "put-ceiling"],
+                        help="normal mode: dispatch, dispatch-fp8 (given a layout computed before), combine; "
+                             "layout-dispatch, layout-dispatch-fp8 (get_dispatch_layout and dispatch in the timed "
+                             "call); cached-dispatch, cached-dispatch-fp8 (replaying an earlier dispatch's handle); "
+                             "low latency (CUDA-graph replays): ll-dispatch (FP8), ll-combine, ll-hook (send and "
+                             "receive halves of each); ceiling: warp and bulk (TMA) copies to one peer, to every "
+                             "peer and locally, by SMs (--ceiling-sms); put-ceiling: as --put-ceiling")
     parser.add_argument("--ceiling-sms", type=int, nargs="+", default=[4, 8, 12, 16, 24, 32],
                         help="SM counts of the ceiling mode (all SMs are always added)")
     parser.add_argument("--put-ceiling", action="store_true",
@@ -858,7 +937,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ll-tokens", type=int, nargs="+", default=[128],
                         help="tokens per rank of the low-latency cases (the buffer holds the largest)")
     parser.add_argument("--repeat", type=int, default=30)
-    parser.add_argument("--no-nccl", action="store_true")
+    parser.add_argument("--peers", nargs="+", default=["nccl"], choices=PEERS,
+                        help="what each case is timed beside, in the same processes on the same inputs: nccl "
+                             "(all_to_all_single of the same bytes), deepep (DeepEP V1's same call; `import deep_ep` "
+                             "must give DeepEP built from source)")
+    parser.add_argument("--no-nccl", action="store_true", help="no nccl peer (whatever --peers says)")
     parser.add_argument("--json", help="write the rows here (rank 0)")
     parser.add_argument("--profile", action="store_true", help="print where one call of each case spends its time")
     parser.add_argument("--summary", nargs="+", metavar="JSON",
@@ -897,9 +980,19 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if min(args.put_sms) < 1 or min(args.put_chunks) < 1 or not 1 <= min(args.put_warps) <= max(args.put_warps) <= 32:
         parser.error("--put-sms and --put-chunks must be >= 1, --put-warps in [1, 32]")
     problem = topology_problem(_launched_ranks(os.environ), args.num_nvl_ranks, args.modes, args.warp_roles,
-                               args.sms)
+                               args.sms, args.peers)
     if problem:
         parser.error(problem)
+    if "deepep" in args.peers:  # each rank imports it: every one finds the same, before any rank starts timing
+        problem = deepep_problem()
+        if problem:
+            parser.error(problem)
+
+
+def _resolve_peers(args: argparse.Namespace) -> None:
+    """--peers without repeats, less nccl under --no-nccl; args.no_nccl then says whether nccl is timed."""
+    args.peers = [p for p in dict.fromkeys(args.peers) if not (args.no_nccl and p == "nccl")]
+    args.no_nccl = "nccl" not in args.peers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -910,6 +1003,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.put_ceiling and "put-ceiling" not in args.modes:
         args.modes = ["put-ceiling", *args.modes]
+    _resolve_peers(args)
     _check_args(parser, args)
     start = time.time()
     if args.profile:
@@ -919,8 +1013,9 @@ def main(argv: list[str] | None = None) -> int:
 
     group = epjit.init()
     if group.rank == 0 and args.json:
+        env = {k: v for k, v in os.environ.items() if k.startswith(("EPJIT_", "NCCL_", "DEEPEP_", "NVSHMEM_"))}
         meta = {"date": time.strftime("%Y-%m-%d"), "host": socket.gethostname(), "seconds": time.time() - start,
-                "argv": sys.argv, "env": {k: v for k, v in os.environ.items() if k.startswith(("EPJIT_", "NCCL_"))}}
+                "argv": sys.argv, "env": env}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
     return 0
