@@ -105,6 +105,49 @@ __device__ __forceinline__ uint64_t epoch_signal(int epoch, uint32_t value) {
 
 __device__ __forceinline__ int signal_epoch(uint64_t word) { return static_cast<int>(word >> 32); }
 
+// ---------------------------------------------------------------------------------------------- the flagged path
+
+// A data int4 as two flagged int4, {x, flag, y, flag} and {z, flag, w, flag} (low_latency.cuh): a reader trusts a
+// data word only beside the call's flag, as NCCL's LL protocol does.
+__device__ __forceinline__ void st_flagged(int4* dst, const int4& v, int flag) {
+    ptx::st_volatile_global_v4(dst, make_int4(v.x, flag, v.y, flag));
+    ptx::st_volatile_global_v4(dst + 1, make_int4(v.z, flag, v.w, flag));
+}
+
+struct FlaggedPair {
+    int4 lo, hi;
+};
+
+__device__ __forceinline__ FlaggedPair ld_flagged(const int4* src) {
+    return {ptx::ld_volatile_global_v4(src), ptx::ld_volatile_global_v4(src + 1)};
+}
+
+__device__ __forceinline__ bool carries(const FlaggedPair& p, int flag) {
+    return p.lo.y == flag && p.lo.w == flag && p.hi.y == flag && p.hi.w == flag;
+}
+
+// Polls the flagged pair at src until it carries `flag` (out of line: the waits are rare, and inlined at every
+// load of a batch they cost the hot path its registers).
+__device__ __noinline__ FlaggedPair wait_flagged(const PeersTable* peers, const int4* src, int flag, const char* what,
+                                                 int peer) {
+    FlaggedPair seen;
+    timeout_while(peers, WaitSite{what, peer, -1, flag}, [&](int64_t& observed) {
+        seen = ld_flagged(src);
+        observed = seen.lo.y != flag ? seen.lo.y : seen.lo.w != flag ? seen.lo.w : seen.hi.y != flag ? seen.hi.y
+                                                                                                   : seen.hi.w;
+        return !carries(seen, flag);
+    });
+    return seen;
+}
+
+// The data int4 of the flagged pair at src: `seen` is what a batch of loads in flight together found there; only
+// a pair that has not all landed yet is polled again.
+__device__ __forceinline__ int4 flagged_data(const PeersTable* peers, const int4* src, FlaggedPair seen, int flag,
+                                             const char* what, int peer) {
+    if (!carries(seen, flag)) seen = wait_flagged(peers, src, flag, what, peer);
+    return make_int4(seen.lo.x, seen.lo.z, seen.hi.x, seen.hi.z);
+}
+
 // Warps per (local expert, source) pair (combine's send half): a power of two, all in one block; as many as the
 // grid allows, but not 2 (16 groups a block would need named barriers 1..16; there are 15).
 __device__ __forceinline__ int warps_per_pair(int num_pairs) {
@@ -303,6 +346,262 @@ __device__ __forceinline__ void send_to_rank(const PeersTable* peers, const LowL
     }
 }
 
+// ------------------------------------------------------------------------------------- dispatch: flagged path
+
+// This call's format (low_latency.cuh): the flagged path for a source of few tokens, one block a token, whose
+// every peer has a pointer.
+__device__ __forceinline__ uint32_t call_format(int num_tokens, int num_topk, int num_ranks, bool puts) {
+    const int fan_out = max(1, min(num_ranks - 1, num_topk));  // messages a token sends to other ranks, at most
+    if (puts || num_ranks > kFlaggedMaxRanks || num_tokens > kFlaggedTokens ||
+        num_tokens > static_cast<int>(gridDim.x) || num_tokens * fan_out > kFlaggedTokens)
+        return 0;
+    return kFormatFlaggedDispatch;
+}
+
+// Bit d: token t has an expert on rank d.
+__device__ __forceinline__ uint32_t token_ranks(const int* topk_experts, int t, int num_topk, int num_local) {
+    uint32_t ranks = 0;
+    for (int k = 0; k < num_topk; ++k) {
+        const int expert = topk_experts[t * num_topk + k];
+        if (expert >= 0) ranks |= 1u << (expert / num_local);
+    }
+    return ranks;
+}
+
+// Flagged messages to rank `dst` from the tokens before `end` (whole warp; a lane a token): message i of a
+// source is its i-th token with an expert on dst.
+__device__ __forceinline__ int messages_before(const uint32_t* token_masks, int end, int dst, int lane) {
+    return __popc(__ballot_sync(0xffffffffu, lane < end && (token_masks[lane] >> dst & 1u)));
+}
+
+// Warp w sends token t (staged) to the w-th distinct rank among its experts' as flagged message i of this rank
+// there (send_to_rank's message, entries included; one without entries is sent too: the destination waits for
+// every message its format word announced). The header is built in the warp's shared scratch, then every int4
+// is stored flagged.
+__device__ __forceinline__ void send_flagged(const PeersTable* peers, const LowLatencyLayout& lay,
+                                             const int* topk_experts, const uint32_t* token_masks, const int* slots,
+                                             const int4* payload, int payload_int4, int t, int w, int num_topk,
+                                             int num_local, int max_tokens, int meta, int epoch, int32_t* call_word,
+                                             int4* header, int lane) {
+    const int* experts = topk_experts + t * num_topk;
+    const int dst = nth_rank(experts, num_topk, num_local, w, lane);
+    if (dst < 0) return;
+    const int expert = lane < num_topk ? experts[lane] : -1;
+    const bool on_dst = expert >= 0 && expert / num_local == dst;
+    const int slot = on_dst ? slots[lane] : 0;
+    if (on_dst && slot >= max_tokens) report_status(call_word, kLowLatencySlotOverflow);
+    const bool entry = on_dst && slot < max_tokens;
+    const unsigned entries = __ballot_sync(0xffffffffu, entry);
+    if (lane == 0) header[0] = make_int4(t, meta, __popc(entries), epoch);
+    if (entry)
+        reinterpret_cast<int2*>(header + 1)[__popc(entries & ((1u << lane) - 1))] =
+            make_int2(expert % num_local, slot << 4 | lane);
+    const int i = messages_before(token_masks, t, dst, lane);
+    int4* msg = on_peer(peers, lay.flagged_msg(peers->rank, i), dst);
+    __syncwarp();
+    if (lane < kLowLatencyHeaderInt4) st_flagged(msg + 2 * lane, header[lane], epoch);
+    for (int j = lane; j < payload_int4; j += 32) st_flagged(msg + 2 * (kLowLatencyHeaderInt4 + j), payload[j], epoch);
+}
+
+// The count of `expert` at its rank: the (token, k) of this rank naming it, at most max_tokens (whole warp). On
+// the signal path it goes once every message naming the expert is out (the sending warps' counter), released, so
+// its arrival proves those messages landed; on the flagged path at once, relaxed: the data carry their own proof.
+__device__ __forceinline__ void send_count(const PeersTable* peers, const LowLatencyLayout& lay,
+                                           const int* topk_experts, int num_slots, int expert, int num_local,
+                                           int max_tokens, int epoch, int force_puts, int32_t* expert_sent,
+                                           bool signal_path, int lane) {
+    int named = 0;  // (token, k) naming the expert; the slots hold max_tokens of them at most
+    for (int j = lane; j < num_slots; j += 32) named += topk_experts[j] == expert;
+    named = warp_sum(named);
+    if (lane != 0) return;
+    if (signal_path) {
+        timeout_while(peers, WaitSite{"ll_dispatch: this rank's messages to expert (channel) sent", -1, expert, named},
+                      [&](int64_t& seen) {
+                          seen = ptx::ld_acquire_gpu_s32(expert_sent + expert);
+                          return seen != named;
+                      });
+        expert_sent[expert] = 0;  // every message of this call is counted; the next call starts at 0
+    }
+    const int dst = expert / num_local;
+    uint64_t* word = lay.counts + static_cast<int64_t>(expert % num_local) * lay.num_ranks + peers->rank;
+    const uint64_t signal = epoch_signal(epoch, static_cast<uint32_t>(-(min(named, max_tokens) + 1)));
+    uint64_t* remote = force_puts ? nullptr : on_peer(peers, word, dst);
+    if (remote == nullptr)
+        rdma_signal(peers, word, signal, SignalOp::kSet, dst);
+    else if (signal_path)
+        ptx::st_release_sys_u64(remote, signal);
+    else
+        ptx::st_relaxed_sys_u64(remote, signal);
+}
+
+// This call's format word at rank dst (relaxed: on either path it proves nothing about data).
+__device__ __forceinline__ void send_format(const PeersTable* peers, const LowLatencyLayout& lay, int dst,
+                                            uint32_t format, int epoch, int force_puts) {
+    uint64_t* word = lay.formats + peers->rank;
+    const uint64_t signal = epoch_signal(epoch, format);
+    uint64_t* remote = force_puts ? nullptr : on_peer(peers, word, dst);
+    if (remote != nullptr)
+        ptx::st_relaxed_sys_u64(remote, signal);
+    else
+        rdma_signal(peers, word, signal, SignalOp::kSet, dst);
+}
+
+// The flagged path's send half: block t stages token t (at most one a block), every block waits for the acks,
+// then warp w < K of block t sends the token to its w-th rank while warps kLowLatencyMaxTopk.. of every block
+// send the counts and format words, all at once: nothing waits for a store to land.
+__device__ __forceinline__ void send_flagged_tokens(const PeersTable* peers, LowLatencyLayout lay,
+                                                    const int4* x, const int* topk_experts, int4* staged,
+                                                    int num_tokens, int num_topk, int hidden, int num_experts,
+                                                    int max_tokens, int flags, uint32_t format, int epoch,
+                                                    int32_t* call_word, uint64_t* timeline, int warp, int lane) {
+    __shared__ uint32_t token_masks[kFlaggedTokens];
+    __shared__ int token_slots[kLowLatencyMaxTopk];
+    __shared__ int4 headers[kLowLatencyMaxTopk][kLowLatencyHeaderInt4];
+    const int num_ranks = lay.num_ranks, num_local = num_experts / num_ranks;
+    const int x_int4 = hidden / 8, t = static_cast<int>(blockIdx.x);
+    const bool fp8 = flags & kFlagFp8;
+    const int payload_int4 = fp8 ? (hidden + hidden / kFp8BlockChannels * 4 + 15) / 16 : x_int4;
+    if (static_cast<int>(threadIdx.x) < num_tokens)
+        token_masks[threadIdx.x] = token_ranks(topk_experts, static_cast<int>(threadIdx.x), num_topk, num_local);
+    if (t < num_tokens) {
+        stage_token(x + static_cast<int64_t>(t) * x_int4, staged, x_int4, hidden, fp8, flags, warp, kLowLatencyWarps,
+                    lane);
+        if (warp < num_topk) {
+            const int slot = message_slot(topk_experts, t, warp, num_topk, lane);
+            if (lane == 0) token_slots[warp] = slot;
+        }
+    }
+    wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)");
+    timeline_mark(timeline, kAtAcks);
+    if (warp < kLowLatencyMaxTopk) {
+        if (t < num_tokens && warp < num_topk)
+            send_flagged(peers, lay, topk_experts, token_masks, token_slots, staged, payload_int4, t, warp, num_topk,
+                         num_local, max_tokens, message_meta(hidden, flags), epoch, call_word, headers[warp], lane);
+        return;
+    }
+    constexpr int kCountWarps = kLowLatencyWarps - kLowLatencyMaxTopk;
+    for (int j = static_cast<int>(blockIdx.x) + (warp - kLowLatencyMaxTopk) * static_cast<int>(gridDim.x);
+         j < num_experts + num_ranks; j += kCountWarps * static_cast<int>(gridDim.x)) {
+        if (j < num_experts) {
+            send_count(peers, lay, topk_experts, num_tokens * num_topk, j, num_local, max_tokens, epoch, 0, nullptr,
+                       false, lane);
+        } else {
+            const int dst = j - num_experts;
+            const int messages = messages_before(token_masks, num_tokens, dst, lane);
+            if (lane == 0) send_format(peers, lay, dst, format | static_cast<uint32_t>(messages), epoch, 0);
+        }
+    }
+}
+
+// The signal path's send half (docs/design.md): block b takes tokens b, b + grid, ...; warps 0..K-1 send each to
+// its ranks, and the counts follow the data, released, so a count's arrival proves every message it counts landed.
+__device__ __forceinline__ void send_signalled_tokens(const PeersTable* peers, const LowLatencyLayout& lay,
+                                                      const int4* x, const int* topk_experts, int4* staged,
+                                                      int num_tokens, int num_topk, int hidden, int num_experts,
+                                                      int max_tokens, int flags, int epoch, int force_puts,
+                                                      int32_t* expert_sent, int32_t* call_word, uint64_t* timeline,
+                                                      int warp, int lane) {
+    const int num_ranks = lay.num_ranks, num_local = num_experts / num_ranks, x_int4 = hidden / 8;
+    const bool fp8 = flags & kFlagFp8, puts = needs_puts(peers, force_puts);
+    const int payload_int4 = fp8 ? (hidden + hidden / kFp8BlockChannels * 4 + 15) / 16 : x_int4;
+    const int meta = message_meta(hidden, flags);
+    // Warps 0..K-1 send; the others stage the next token meanwhile (its payload and its K slots), into the
+    // other of two buffers, so one __syncthreads a token suffices (it also tells the senders the next token
+    // is staged). Every warp stages the first token, before the block waits for the acks: staging touches no
+    // peer. K <= 16, so at least K warps stage.
+    __shared__ int token_slots[2][kLowLatencyMaxTopk];
+    int i_token = 0;
+    for (int t = static_cast<int>(blockIdx.x); t < num_tokens; t += static_cast<int>(gridDim.x), ++i_token) {
+        const int first_stager = i_token == 0 ? 0 : num_topk;
+        if (warp >= first_stager)
+            stage_token(x + static_cast<int64_t>(t) * x_int4, staged + (i_token & 1) * x_int4, x_int4, hidden,
+                        fp8, flags, warp - first_stager, kLowLatencyWarps - first_stager, lane);
+        const int slot_k = warp - first_stager;
+        if (slot_k >= 0 && slot_k < num_topk) {
+            const int slot = message_slot(topk_experts, t, slot_k, num_topk, lane);
+            if (lane == 0) token_slots[i_token & 1][slot_k] = slot;
+        }
+        if (i_token == 0) {
+            wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)");
+            timeline_mark(timeline, kAtAcks);
+        }
+        const int4* payload = staged + (i_token & 1) * x_int4;
+        __syncthreads();
+        if (puts) {  // NVSHMEM puts read global memory: the block copies the payload to the staging row
+            int4* staging = reinterpret_cast<int4*>(lay.staging + t * lay.msg_bytes);
+            for (int i = static_cast<int>(threadIdx.x); i < payload_int4; i += kLowLatencyThreads)
+                staging[i] = payload[i];
+            ptx::fence_acq_rel_gpu();
+            __syncthreads();
+        }
+        if (warp < num_topk)
+            send_to_rank(peers, lay, topk_experts, token_slots[i_token & 1], payload, payload_int4, t, warp,
+                         num_topk, num_local, max_tokens, meta, epoch, force_puts, call_word, lane);
+    }
+    if (i_token == 0) {  // a block without tokens still writes counts into the peers' set
+        wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)");
+        timeline_mark(timeline, kAtAcks);
+    }
+    // Each sending warp releases its messages once, after its last token: every lane's stores (a put path
+    // quiets first), one gpu-scope fence, then a bump of each expert's counter for every (token, k) of the
+    // ranks it sent to, sent or dropped (warp w took each token's w-th rank: each (token, k) is one warp's).
+    // The count-sender's acquire of the counter and its system-scope release of the count carry the stores
+    // to the receiver (causality is transitive), so no sending warp pays a system fence.
+    if (warp < num_topk) {
+        if (puts) rdma_quiet();
+        __syncwarp();
+        ptx::fence_acq_rel_gpu();  // each lane's bumps below come after every store of the warp
+        for (int t = static_cast<int>(blockIdx.x); t < num_tokens; t += static_cast<int>(gridDim.x)) {
+            const int* experts = topk_experts + t * num_topk;
+            const int dst = nth_rank(experts, num_topk, num_local, warp, lane);
+            const int expert = lane < num_topk ? experts[lane] : -1;
+            if (dst >= 0 && expert >= 0 && expert / num_local == dst) atomicAdd(expert_sent + expert, 1);
+        }
+    }
+    timeline_mark(timeline, kAtSent);
+
+    // The count of each expert, after its data, and this call's format word at each rank: a warp a word, spread
+    // over the blocks.
+    const int num_slots = num_tokens * num_topk;
+    for (int j = static_cast<int>(blockIdx.x) + warp * static_cast<int>(gridDim.x); j < num_experts + num_ranks;
+         j += kLowLatencyWarps * static_cast<int>(gridDim.x)) {
+        if (j < num_experts)
+            send_count(peers, lay, topk_experts, num_slots, j, num_local, max_tokens, epoch, force_puts, expert_sent,
+                       true, lane);
+        else if (lane == 0)
+            send_format(peers, lay, j - num_experts, 0u, epoch, force_puts);
+    }
+}
+
+// Payload int4 i of a received message into `row`: below data_int4 recv_x's row, past it the FP8 scales (int4 i
+// holds scales 4 (i - data_int4) .. + 3) for recv_scales' row, as floats or UE8M0 bytes.
+__device__ __forceinline__ void store_payload(const int4& v, int i, int64_t row, int data_int4, int4* recv_x,
+                                              void* recv_scales, int num_scales, bool ue8m0) {
+    if (i < data_int4) {
+        ptx::st_global_L1_no_allocate_v4(recv_x + row * data_int4 + i, v);
+        return;
+    }
+    const int word = i - data_int4;
+    if (ue8m0) {
+        const uint32_t packed = static_cast<uint32_t>(ue8m0_of(__int_as_float(v.x))) |
+                                static_cast<uint32_t>(ue8m0_of(__int_as_float(v.y))) << 8 |
+                                static_cast<uint32_t>(ue8m0_of(__int_as_float(v.z))) << 16 |
+                                static_cast<uint32_t>(ue8m0_of(__int_as_float(v.w))) << 24;
+        reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(recv_scales) + row * num_scales)[word] = packed;
+    } else {
+        reinterpret_cast<int4*>(static_cast<float*>(recv_scales) + row * num_scales)[word] = v;
+    }
+}
+
+// FP8 scale c of a message into `row`, one float (scales that do not fill whole int4: hidden % 512 != 0).
+__device__ __forceinline__ void store_scale(float scale, int c, int64_t row, void* recv_scales, int num_scales,
+                                            bool ue8m0) {
+    if (ue8m0)
+        static_cast<uint8_t*>(recv_scales)[row * num_scales + c] = ue8m0_of(scale);
+    else
+        static_cast<float*>(recv_scales)[row * num_scales + c] = scale;
+}
+
 // One received message's payload into the rows of its entries (entry j's row is lane j's `my_row`, j < num_rows):
 // payload int4 below data_int4 go to recv_x's row, the rest are the FP8 scales (num_scales floats) for
 // recv_scales' row, as floats or UE8M0 bytes. Each batch's loads are all issued before its stores, and a batch is
@@ -359,13 +658,100 @@ __device__ __forceinline__ void receive_message(const int4* payload, int payload
     }
 }
 
+// The last of sources 0..n-1 whose items begin at or before item q (begin: [n + 1] ascending prefix): a source
+// without items shares its begin with the next, which is the one holding q.
+__device__ __forceinline__ int last_at_or_before(const int* begin, int n, int q) {
+    int found = 0;
+    for (int lo = 1, hi = n - 1; lo <= hi;) {
+        const int mid = (lo + hi) / 2;
+        if (begin[mid] <= q)
+            found = mid, lo = mid + 1;
+        else
+            hi = mid - 1;
+    }
+    return found;
+}
+
+// A message's header (lane j holds its int4 j) names its rows: lane k < n gets the row of entry k, and its
+// src_info and top-k slot are written. Returns n, or 0 for a message to skip: a flagged one without entries (each
+// was dropped; on the signal path such a message is never sent), or one from a peer called with other sizes
+// (or a corrupt header), whose entries could point anywhere: reported.
+__device__ __forceinline__ int message_rows(const int4& head, int src, bool flagged, int64_t& row,
+                                            int* recv_src_info, int* recv_topk_slot, const int* pair_begin,
+                                            int32_t* call_word, int num_local, int num_ranks, int max_tokens,
+                                            int meta, int lane) {
+    const int token = __shfl_sync(0xffffffffu, head.x, 0), seen_meta = __shfl_sync(0xffffffffu, head.y, 0);
+    const int n = __shfl_sync(0xffffffffu, head.z, 0);
+    if (flagged && n == 0) return 0;
+    // Entry j: half j % 2 of header int4 1 + j / 2.
+    const int holder = min(1 + lane / 2, 31);
+    const int hx = __shfl_sync(0xffffffffu, head.x, holder), hy = __shfl_sync(0xffffffffu, head.y, holder);
+    const int hz = __shfl_sync(0xffffffffu, head.z, holder), hw = __shfl_sync(0xffffffffu, head.w, holder);
+    const int e = lane % 2 ? hz : hx, packed = lane % 2 ? hw : hy;
+    const int slot = packed >> 4;
+    const bool sane = lane >= n || (e >= 0 && e < num_local && slot >= 0 && slot < max_tokens);
+    if (!__all_sync(0xffffffffu, sane) || seen_meta != meta || n < 1 || n > kLowLatencyMaxTopk) {
+        if (lane == 0) report_status(call_word, kLowLatencyMetaMismatch);
+        return 0;
+    }
+    row = 0;
+    if (lane < n) {
+        row = e * static_cast<int64_t>(num_ranks) * max_tokens + pair_begin[e * num_ranks + src] + slot;
+        recv_src_info[row] = token;
+        recv_topk_slot[row] = packed & 15;
+    }
+    return n;
+}
+
+// Flagged message `msg` from src, by the whole block: warp 0 polls its header and names its rows in shared
+// memory, then each thread polls one int4 of the payload and stores it into every row: one round trip (a
+// 7168-channel message is 462 FP8 or 896 bf16 int4), and few registers (nothing unrolled).
+__device__ __forceinline__ void receive_flagged(const PeersTable* peers, const int4* msg, int src, int epoch,
+                                                int4* recv_x, void* recv_scales, int* recv_src_info,
+                                                int* recv_topk_slot, const int* pair_begin, int32_t* call_word,
+                                                int num_local, int num_ranks, int max_tokens, int meta,
+                                                int payload_int4, int data_int4, int num_scales, bool ue8m0) {
+    __shared__ int64_t rows[kLowLatencyMaxTopk];
+    __shared__ int num_rows;
+    if (threadIdx.x < 32) {
+        const int lane = static_cast<int>(threadIdx.x);
+        int4 head = make_int4(0, 0, 0, 0);
+        if (lane < kLowLatencyHeaderInt4)
+            head = flagged_data(peers, msg + 2 * lane, ld_flagged(msg + 2 * lane), epoch,
+                                "ll_dispatch: flagged message header from peer", src);
+        int64_t row = 0;
+        const int n = message_rows(head, src, true, row, recv_src_info, recv_topk_slot, pair_begin, call_word,
+                                   num_local, num_ranks, max_tokens, meta, lane);
+        if (lane < n) rows[lane] = row;
+        if (lane == 0) num_rows = n;
+    }
+    __syncthreads();
+    const int n = num_rows;
+    const int4* payload = msg + 2 * kLowLatencyHeaderInt4;
+    const bool vector_scales = num_scales % 4 == 0;
+    const int loaded = n == 0 ? 0 : vector_scales ? payload_int4 : data_int4;
+    for (int i = static_cast<int>(threadIdx.x); i < loaded; i += kLowLatencyThreads) {
+        const int4 v = flagged_data(peers, payload + 2 * i, ld_flagged(payload + 2 * i), epoch,
+                                    "ll_dispatch: flagged message from peer", src);
+        for (int r = 0; r < n; ++r) store_payload(v, i, rows[r], data_int4, recv_x, recv_scales, num_scales, ue8m0);
+    }
+    for (int c = static_cast<int>(threadIdx.x); n > 0 && !vector_scales && c < num_scales; c += kLowLatencyThreads) {
+        const int i = data_int4 + c / 4;  // scale c is word c % 4 of that int4
+        const int4 w = flagged_data(peers, payload + 2 * i, ld_flagged(payload + 2 * i), epoch,
+                                    "ll_dispatch: flagged message from peer", src);
+        const float scale = __int_as_float(c % 4 == 0 ? w.x : c % 4 == 1 ? w.y : c % 4 == 2 ? w.z : w.w);
+        for (int r = 0; r < n; ++r) store_scale(scale, c, rows[r], recv_scales, num_scales, ue8m0);
+    }
+    __syncthreads();  // before the next message takes the shared rows
+}
+
 __global__ void __launch_bounds__(kLowLatencyThreads, 1)
 ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int num_tokens, int num_topk,
             int hidden, int num_experts, int max_tokens, int set, int phases, int flags, int force_puts,
             LowLatencySync* sync, int* host_status, int4* recv_x, void* recv_scales,
             int* recv_src_info, int* recv_topk_slot, int64_t* layout_range, int* recv_count,
             int* cumulative_stats, uint64_t* timeline) {
-    const int me = peers->rank, num_ranks = peers->num_ranks, num_local = num_experts / num_ranks;
+    const int num_ranks = peers->num_ranks, num_local = num_experts / num_ranks;
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
     const int epoch = ptx::ld_volatile_s32(&sync->epoch[set]) + 1;
     const LowLatencyLayout lay(peers->sym_base, set, num_ranks, num_experts, max_tokens, hidden);
@@ -376,11 +762,15 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
     const int payload_int4 = fp8 ? (hidden + num_scales * 4 + 15) / 16 : x_int4;
     // Dynamic shared memory: two tokens' payloads (bf16 size each, one staged while one is sent), then topk_idx
     // as int32 (-1 for no expert or an id out of range), which every slot and count below scans, then the
-    // receive half's count and first row of every (local expert, source) pair.
+    // receive half's count and first row of every (local expert, source) pair, each source's format and the
+    // first of its work items (and their total).
     extern __shared__ int4 staged[];
     int* topk_experts = reinterpret_cast<int*>(staged + 2 * x_int4);
     int* pair_count = topk_experts + num_tokens * num_topk;
     int* pair_begin = pair_count + num_local * num_ranks;
+    int* src_format = pair_begin + num_local * num_ranks;
+    int* flagged_begin = src_format + num_ranks;  // [R + 1]: each source's first flagged message, and the total
+    int* slots_begin = flagged_begin + num_ranks + 1;  // [R + 1]: the same for signal-path message slots
     int32_t* expert_sent = expert_sent_counters(sync);
     int32_t* call_word = &sync->call[set];
     if (!layout_fits(peers, lay, call_word)) phases = 0;
@@ -397,106 +787,42 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
         }
         if (__syncthreads_or(invalid) && blockIdx.x == 0 && threadIdx.x == 0)
             report_status(call_word, kLowLatencyInvalidIds);
-        const bool puts = needs_puts(peers, force_puts);
-        // Warps 0..K-1 send; the others stage the next token meanwhile (its payload and its K slots), into the
-        // other of two buffers, so one __syncthreads a token suffices (it also tells the senders the next token
-        // is staged). Every warp stages the first token, before the block waits for the acks: staging touches no
-        // peer. K <= 16, so at least K warps stage.
-        __shared__ int token_slots[2][kLowLatencyMaxTopk];
-        int i_token = 0;
-        for (int t = static_cast<int>(blockIdx.x); t < num_tokens; t += static_cast<int>(gridDim.x), ++i_token) {
-            const int first_stager = i_token == 0 ? 0 : num_topk;
-            if (warp >= first_stager)
-                stage_token(x + static_cast<int64_t>(t) * x_int4, staged + (i_token & 1) * x_int4, x_int4, hidden,
-                            fp8, flags, warp - first_stager, kLowLatencyWarps - first_stager, lane);
-            const int slot_k = warp - first_stager;
-            if (slot_k >= 0 && slot_k < num_topk) {
-                const int slot = message_slot(topk_experts, t, slot_k, num_topk, lane);
-                if (lane == 0) token_slots[i_token & 1][slot_k] = slot;
-            }
-            if (i_token == 0) {
-                wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)");
-                timeline_mark(timeline, kAtAcks);
-            }
-            const int4* payload = staged + (i_token & 1) * x_int4;
-            __syncthreads();
-            if (puts) {  // NVSHMEM puts read global memory: the block copies the payload to the staging row
-                int4* staging = reinterpret_cast<int4*>(lay.staging + t * lay.msg_bytes);
-                for (int i = static_cast<int>(threadIdx.x); i < payload_int4; i += kLowLatencyThreads)
-                    staging[i] = payload[i];
-                ptx::fence_acq_rel_gpu();
-                __syncthreads();
-            }
-            if (warp < num_topk)
-                send_to_rank(peers, lay, topk_experts, token_slots[i_token & 1], payload, payload_int4, t, warp,
-                             num_topk, num_local, max_tokens, meta, epoch, force_puts, call_word, lane);
-        }
-        if (i_token == 0) {  // a block without tokens still writes counts into the peers' set
-            wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)");
-            timeline_mark(timeline, kAtAcks);
-        }
-        // Each sending warp releases its messages once, after its last token: every lane's stores (a put path
-        // quiets first), one gpu-scope fence, then a bump of each expert's counter for every (token, k) of the
-        // ranks it sent to, sent or dropped (warp w took each token's w-th rank: each (token, k) is one warp's).
-        // The count-sender's acquire of the counter and its system-scope release of the count carry the stores
-        // to the receiver (causality is transitive), so no sending warp pays a system fence.
-        if (warp < num_topk) {
-            if (puts) rdma_quiet();
-            __syncwarp();
-            ptx::fence_acq_rel_gpu();  // each lane's bumps below come after every store of the warp
-            for (int t = static_cast<int>(blockIdx.x); t < num_tokens; t += static_cast<int>(gridDim.x)) {
-                const int* experts = topk_experts + t * num_topk;
-                const int dst = nth_rank(experts, num_topk, num_local, warp, lane);
-                const int expert = lane < num_topk ? experts[lane] : -1;
-                if (dst >= 0 && expert >= 0 && expert / num_local == dst) atomicAdd(expert_sent + expert, 1);
-            }
-        }
-        timeline_mark(timeline, kAtSent);
-
-        // The count of each expert, after its data: a warp per expert, spread over the blocks.
-        for (int expert = static_cast<int>(blockIdx.x) + warp * static_cast<int>(gridDim.x); expert < num_experts;
-             expert += kLowLatencyWarps * static_cast<int>(gridDim.x)) {
-            int named = 0;  // (token, k) naming the expert; the slots hold max_tokens of them at most
-            for (int j = lane; j < num_slots; j += 32) named += topk_experts[j] == expert;
-            named = warp_sum(named);
-            const int n = min(named, max_tokens);
-            if (lane == 0) {
-                timeout_while(peers, WaitSite{"ll_dispatch: this rank's messages to expert (channel) sent", -1,
-                                              expert, named},
-                              [&](int64_t& seen) {
-                                  seen = ptx::ld_acquire_gpu_s32(expert_sent + expert);
-                                  return seen != named;
-                              });
-                expert_sent[expert] = 0;  // every message of this call is counted; the next call starts at 0
-                const int dst = expert / num_local;
-                uint64_t* word = lay.counts + static_cast<int64_t>(expert % num_local) * num_ranks + me;
-                const uint64_t signal = epoch_signal(epoch, static_cast<uint32_t>(-(n + 1)));
-                uint64_t* remote = force_puts ? nullptr : on_peer(peers, word, dst);
-                if (remote != nullptr)
-                    ptx::st_release_sys_u64(remote, signal);
-                else
-                    rdma_signal(peers, word, signal, SignalOp::kSet, dst);
-            }
-        }
+        const uint32_t format = call_format(num_tokens, num_topk, num_ranks, needs_puts(peers, force_puts));
+        if (format & kFormatFlaggedDispatch)
+            send_flagged_tokens(peers, lay, x, topk_experts, staged, num_tokens, num_topk, hidden, num_experts,
+                                max_tokens, flags, format, epoch, call_word, timeline, warp, lane);
+        else
+            send_signalled_tokens(peers, lay, x, topk_experts, staged, num_tokens, num_topk, hidden, num_experts,
+                                  max_tokens, flags, epoch, force_puts, expert_sent, call_word, timeline, warp,
+                                  lane);
         timeline_mark(timeline, kAtCounted);
     }
 
     if (phases & kPhaseRecv) {
-        // Every block waits for the count of every (local expert, source): a message may hold rows of any of my
-        // experts, each placed after the rows of the sources before its own; and the arrival of any count of a
-        // source proves that every message it sent me landed (its count-senders waited for all of them).
+        // Every block waits for the count of every (local expert, source) and every source's format word: a
+        // message may hold rows of any of my experts, each placed after the rows of the sources before its own.
+        // On the signal path the arrival of any count of a source proves that every message it sent me landed
+        // (its count-senders waited for all of them); on the flagged path its messages prove themselves.
         // A thread a word (one warp polling several words a lane was slower: each poll is a round trip).
         const int num_pairs = num_local * num_ranks;
-        for (int pair = static_cast<int>(threadIdx.x); pair < num_pairs; pair += kLowLatencyThreads) {
-            const int e = pair / num_ranks, src = pair % num_ranks;
+        for (int j = static_cast<int>(threadIdx.x); j < num_pairs + num_ranks; j += kLowLatencyThreads) {
+            const bool is_count = j < num_pairs;
+            const int src = is_count ? j % num_ranks : j - num_pairs;
+            const uint64_t* word = is_count ? lay.counts + j : lay.formats + src;
             uint64_t seen_word = 0;
-            timeout_while(peers, WaitSite{"ll_dispatch: count of local expert (channel) from peer", src, e, epoch},
+            timeout_while(peers, WaitSite{is_count ? "ll_dispatch: count of local expert (channel) from peer"
+                                                   : "ll_dispatch: format word from peer",
+                                          src, is_count ? j / num_ranks : -1, epoch},
                           [&](int64_t& seen) {
-                              seen_word = ptx::ld_acquire_sys_u64(lay.counts + pair);
+                              seen_word = ptx::ld_acquire_sys_u64(word);
                               seen = signal_epoch(seen_word);
                               return seen != epoch;
                           });
-            pair_count[pair] = -static_cast<int>(static_cast<uint32_t>(seen_word)) - 1;
+            const int value = static_cast<int>(static_cast<uint32_t>(seen_word));
+            if (is_count)
+                pair_count[j] = -value - 1;
+            else
+                src_format[src] = value;
         }
         __syncthreads();
         for (int e = static_cast<int>(threadIdx.x); e < num_local; e += kLowLatencyThreads) {
@@ -513,43 +839,43 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
                 if (cumulative_stats != nullptr) atomicAdd(cumulative_stats + e, begin);
             }
         }
+        if (threadIdx.x == 0) {  // a flagged source's messages, or every message slot of a signal-path source
+            flagged_begin[0] = slots_begin[0] = 0;
+            for (int src = 0; src < num_ranks; ++src) {
+                const uint32_t format = static_cast<uint32_t>(src_format[src]);
+                const bool flagged = format & kFormatFlaggedDispatch;
+                flagged_begin[src + 1] = flagged_begin[src] + (flagged ? format & kFormatMessagesMask : 0);
+                slots_begin[src + 1] = slots_begin[src] + (flagged ? 0 : max_tokens);
+            }
+        }
         __syncthreads();
         timeline_mark(timeline, kAtCounts);
-        // A warp a message slot (source, token), consecutive slots in different blocks (what an SM copies does not
-        // grow with its warps, so the messages spread over the SMs): the header says whether this call wrote it
-        // (its epoch) and which rows take its payload.
         const int data_int4 = fp8 ? hidden / 16 : x_int4;
-        const int64_t rows_per_expert = static_cast<int64_t>(num_ranks) * max_tokens;
+        const bool ue8m0 = flags & kFlagUe8m0;
+        // A block a flagged message.
+        for (int m = static_cast<int>(blockIdx.x); m < flagged_begin[num_ranks]; m += static_cast<int>(gridDim.x)) {
+            const int src = last_at_or_before(flagged_begin, num_ranks, m);
+            receive_flagged(peers, lay.flagged_msg(src, m - flagged_begin[src]), src, epoch, recv_x, recv_scales,
+                            recv_src_info, recv_topk_slot, pair_begin, call_word, num_local, num_ranks, max_tokens,
+                            meta, payload_int4, data_int4, fp8 ? num_scales : 0, ue8m0);
+        }
+        // A warp a signal-path message slot, consecutive slots in different blocks (what an SM copies does not grow
+        // with its warps, so the messages spread over the SMs): the header says whether this call wrote it (its
+        // epoch) and which rows take its payload.
         const int num_warps = static_cast<int>(gridDim.x) * kLowLatencyWarps;
-        for (int q = warp * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x); q < num_ranks * max_tokens;
+        for (int q = warp * static_cast<int>(gridDim.x) + static_cast<int>(blockIdx.x); q < slots_begin[num_ranks];
              q += num_warps) {
-            const int src = q / max_tokens;
-            const int4* msg = lay.dispatch_slot(src, q % max_tokens);
+            const int src = last_at_or_before(slots_begin, num_ranks, q);
+            const int4* msg = lay.dispatch_slot(src, q - slots_begin[src]);
             const int4 head = lane < kLowLatencyHeaderInt4 ? ptx::ld_volatile_global_v4(msg + lane)
                                                            : make_int4(0, 0, 0, 0);
             if (__shfl_sync(0xffffffffu, head.w, 0) != epoch) continue;  // not a message of this call
-            const int token = __shfl_sync(0xffffffffu, head.x, 0), seen_meta = __shfl_sync(0xffffffffu, head.y, 0);
-            const int n = __shfl_sync(0xffffffffu, head.z, 0);
-            // Entry j: half j % 2 of header int4 1 + j / 2.
-            const int holder = min(1 + lane / 2, 31);
-            const int hx = __shfl_sync(0xffffffffu, head.x, holder), hy = __shfl_sync(0xffffffffu, head.y, holder);
-            const int hz = __shfl_sync(0xffffffffu, head.z, holder), hw = __shfl_sync(0xffffffffu, head.w, holder);
-            const int e = lane % 2 ? hz : hx, packed = lane % 2 ? hw : hy;
-            const int slot = packed >> 4;
-            // A peer called with other sizes (or a corrupt header): its entries could point anywhere; skip it.
-            const bool sane = lane >= n || (e >= 0 && e < num_local && slot >= 0 && slot < max_tokens);
-            if (!__all_sync(0xffffffffu, sane) || seen_meta != meta || n < 1 || n > kLowLatencyMaxTopk) {
-                if (lane == 0) report_status(call_word, kLowLatencyMetaMismatch);
-                continue;
-            }
             int64_t row = 0;
-            if (lane < n) {
-                row = e * rows_per_expert + pair_begin[e * num_ranks + src] + slot;
-                recv_src_info[row] = token;
-                recv_topk_slot[row] = packed & 15;
-            }
-            receive_message(msg + kLowLatencyHeaderInt4, payload_int4, data_int4, recv_x, recv_scales, row, n,
-                            fp8 ? num_scales : 0, flags & kFlagUe8m0, lane);
+            const int n = message_rows(head, src, false, row, recv_src_info, recv_topk_slot, pair_begin, call_word,
+                                       num_local, num_ranks, max_tokens, meta, lane);
+            if (n > 0)
+                receive_message(msg + kLowLatencyHeaderInt4, payload_int4, data_int4, recv_x, recv_scales, row, n,
+                                fp8 ? num_scales : 0, ue8m0, lane);
         }
         timeline_mark(timeline, kAtReceived);
     }

@@ -12,6 +12,16 @@
 //   dispatch slots  [R src][M] x msg            one message per (source token, destination rank): header + payload
 //   combine slots   [M][kLowLatencyMaxTopk] x 2H   expert output for (token, k), at the token's home rank
 //   staging         [M] x msg + [M][R] x header   what NVSHMEM puts read (only where no NVLink pointer)
+//   formats         uint64 [R src]              dispatch: (epoch << 32) | format: whether src's messages here are
+//                                               flagged, and how many it sent
+//   flagged msgs    [R src][kFlaggedTokens] x 2 msg    small dispatches' messages, flagged (below)
+//
+// A small dispatch takes the flagged path: every 8 bytes of its messages travel as {4 data bytes, the call's
+// epoch} (16-byte stores {a, epoch, b, epoch}; an 8-byte half lands whole), so a receiver polls the data itself
+// and no sender orders its stores before a signal: no system-scope fence and no count hand-off on the way (each
+// costs microseconds, most of a one-token call), for twice the bytes. The flagged region is written only flagged,
+// so an epoch word there is always an epoch. A source decides by its own tokens and says so in its format word,
+// which it sends with its counts at once (on that path they prove nothing about data).
 //
 // A message carries a token once to a rank, whatever number of that rank's experts chose it: header {source
 // token, meta, entries, epoch} and one entry {local expert, slot << 4 | k} per (token, k) on that rank (its row
@@ -33,6 +43,16 @@ constexpr int kLowLatencyHeaderBytes = 144;  // int4 {token, meta, entries, epoc
 constexpr int kLowLatencyHeaderInt4 = kLowLatencyHeaderBytes / 16;
 static_assert(kLowLatencyHeaderBytes == 16 + 8 * kLowLatencyMaxTopk, "one int2 entry per top-k slot");
 
+// The flagged path's limits: a source with at most kFlaggedTokens tokens, and at most kFlaggedTokens messages
+// leaving it (tokens x min(R - 1, K)), sends flagged messages. Beyond, the doubled bytes cost more than the signal
+// path saves.
+constexpr int kFlaggedTokens = 32;
+constexpr int kFlaggedMaxRanks = 32;  // a token's destination ranks as one 32-bit mask
+// A format word's low bits: the messages sent (flagged path), then what is flagged.
+constexpr uint32_t kFormatMessagesMask = 0xffff;
+constexpr uint32_t kFormatFlaggedDispatch = 1u << 16;
+static_assert(kFlaggedTokens <= 32, "a warp's lanes cover a flagged source's tokens");
+
 __host__ __device__ constexpr int64_t ll_align(int64_t n) { return (n + 255) / 256 * 256; }
 
 __host__ __device__ constexpr int64_t ll_msg_bytes(int hidden) {
@@ -47,6 +67,8 @@ struct LowLatencyLayout {
     char* combine_slots;
     char* staging;
     char* staging_headers;
+    uint64_t* formats;
+    char* flagged_msgs;
     int64_t msg_bytes, combine_row_bytes, set_bytes;
     int num_ranks, max_tokens;
 
@@ -70,6 +92,10 @@ struct LowLatencyLayout {
         off += ll_align(M * msg_bytes);
         const int64_t headers_off = off;
         off += ll_align(M * R * kLowLatencyHeaderBytes);
+        const int64_t formats_off = off;
+        off += ll_align(R * 8);
+        const int64_t flagged_msgs_off = off;
+        off += ll_align(R * kFlaggedTokens * 2 * msg_bytes);
         set_bytes = off;
         char* base = static_cast<char*>(sym_base) + set * set_bytes;
         counts = reinterpret_cast<uint64_t*>(base + counts_off);
@@ -79,6 +105,8 @@ struct LowLatencyLayout {
         combine_slots = base + combine_off;
         staging = base + staging_off;
         staging_headers = base + headers_off;
+        formats = reinterpret_cast<uint64_t*>(base + formats_off);
+        flagged_msgs = base + flagged_msgs_off;
     }
 
     __device__ int4* dispatch_slot(int src, int token) const {
@@ -87,6 +115,11 @@ struct LowLatencyLayout {
     __device__ int4* staging_header(int token, int dst) const {
         return reinterpret_cast<int4*>(staging_headers +
                                        (static_cast<int64_t>(token) * num_ranks + dst) * kLowLatencyHeaderBytes);
+    }
+    // Flagged message i from src (i < kFlaggedTokens), 2 x msg_bytes: each data int4 as two flagged int4.
+    __device__ int4* flagged_msg(int src, int i) const {
+        const int64_t index = static_cast<int64_t>(src) * kFlaggedTokens + i;
+        return reinterpret_cast<int4*>(flagged_msgs + index * 2 * msg_bytes);
     }
     __device__ int4* combine_slot(int token, int k) const {
         return reinterpret_cast<int4*>(

@@ -87,6 +87,13 @@ __device__ __forceinline__ void st_global_L1_no_allocate_v4(int4* p, const int4&
                  : : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
 }
+// Flagged words (low latency's small calls): a reader polls them, so they must not linger in a cache; each
+// 8-byte half of the 16 bytes lands whole.
+__device__ __forceinline__ void st_volatile_global_v4(int4* p, const int4& v) {
+    asm volatile("st.volatile.global.v4.s32 [%0], {%1, %2, %3, %4};"
+                 : : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
 
 /// Fences
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }

@@ -139,7 +139,7 @@ class Buffer:
                                           "num_experts / ranks experts)"))
         if h % 8:
             raise ArgumentError(with_rank(f"hidden={h} must be a multiple of 8 (16-byte rows)"))
-        shared = dispatch_shared_bytes(h, m, LOW_LATENCY_MAX_TOPK, e)
+        shared = dispatch_shared_bytes(h, m, LOW_LATENCY_MAX_TOPK, e, r)
         if shared > MAX_DYNAMIC_SHARED_BYTES:
             raise ArgumentError(with_rank(
                 f"num_max_dispatch_tokens_per_rank={m} with hidden={h} is too large for low-latency mode: each "

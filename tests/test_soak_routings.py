@@ -82,10 +82,11 @@ def test_the_buffers_fit(ranks, hidden):
     tokens must fit, and 4096 (what normal mode takes) must not, or the script could take more."""
     setup = soak.Setup.for_ranks(ranks, hidden)
     assert dispatch_shared_bytes(hidden, setup.ll_max_tokens, LOW_LATENCY_MAX_TOPK,
-                                 setup.ll_experts) <= MAX_DYNAMIC_SHARED_BYTES
+                                 setup.ll_experts, ranks) <= MAX_DYNAMIC_SHARED_BYTES
     if ranks <= 2:
         assert setup.ll_max_tokens == 3072
-        assert dispatch_shared_bytes(hidden, 4096, LOW_LATENCY_MAX_TOPK, setup.ll_experts) > MAX_DYNAMIC_SHARED_BYTES
+        assert dispatch_shared_bytes(hidden, 4096, LOW_LATENCY_MAX_TOPK, setup.ll_experts,
+                                     ranks) > MAX_DYNAMIC_SHARED_BYTES
     assert setup.ll_experts % ranks == 0
     assert Buffer.get_low_latency_size_hint(setup.ll_max_tokens, hidden, ranks, setup.ll_experts) > 0
     assert Buffer.get_normal_size_hint(ranks, hidden, soak.MAX_TOPK, ranks * max(soak.NORMAL_LOCAL_EXPERTS)) > 0

@@ -12,6 +12,9 @@ LOW_LATENCY_THREADS = 1024
 LOW_LATENCY_MAX_TOPK = 16  # kLowLatencyMaxTopk: combine slots per token
 LOW_LATENCY_HEADER_BYTES = 16 + 8 * LOW_LATENCY_MAX_TOPK  # kLowLatencyHeaderBytes: int4 + an int2 entry a slot
 SYNC_BYTES = 32  # sizeof(LowLatencySync); int32 expert_sent[num_experts] follow it
+# The flagged path of small dispatches (cuda_src/low_latency.cuh): its region's size and the format word's bit.
+FLAGGED_TOKENS = 32  # kFlaggedTokens: a source's flagged messages at most
+FORMAT_FLAGGED_DISPATCH = 1 << 16
 MAX_DYNAMIC_SHARED_BYTES = 227 * 1024  # sm_90's opt-in limit per block
 # EPJIT_PROFILE: enum TimelinePoint of cuda_src/low_latency.cu, in order (stamps per block, timeline.cuh)
 TIMELINE_POINTS = ("start", "acks", "sent", "counted", "counts", "received", "end")
@@ -68,10 +71,11 @@ def message_bytes(hidden: int) -> int:
     return (LOW_LATENCY_HEADER_BYTES + 2 * hidden + 15) // 16 * 16
 
 
-def dispatch_shared_bytes(hidden: int, num_tokens: int, num_topk: int, num_experts: int) -> int:
+def dispatch_shared_bytes(hidden: int, num_tokens: int, num_topk: int, num_experts: int, num_ranks: int) -> int:
     """ll_dispatch's dynamic shared memory: two staged tokens (bf16 size), topk_idx as int32, then the receive
-    half's count and first row of every (local expert, source) pair (num_experts of each)."""
-    return 2 * 2 * hidden + 4 * num_tokens * num_topk + 2 * 4 * num_experts
+    half's count and first row of every (local expert, source) pair (num_experts of each), each source's format
+    and the first of its flagged messages and of its message slots (and their totals)."""
+    return 2 * 2 * hidden + 4 * num_tokens * num_topk + 2 * 4 * num_experts + 4 * (3 * num_ranks + 2)
 
 
 def low_latency_set_bytes(num_ranks: int, num_experts: int, max_tokens: int, hidden: int) -> int:
@@ -80,7 +84,7 @@ def low_latency_set_bytes(num_ranks: int, num_experts: int, max_tokens: int, hid
     local = e // r
     msg = message_bytes(hidden)
     sizes = [local * r * 8, e * 8, r * 8, r * m * msg, m * LOW_LATENCY_MAX_TOPK * 2 * hidden, m * msg,
-             m * r * LOW_LATENCY_HEADER_BYTES]
+             m * r * LOW_LATENCY_HEADER_BYTES, r * 8, r * FLAGGED_TOKENS * 2 * msg]
     return sum(_align(s) for s in sizes)
 
 

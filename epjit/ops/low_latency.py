@@ -268,7 +268,8 @@ class LowLatency:
         args = self._common_args("ll_dispatch").set(num_tokens=num_tokens, num_topk=num_topk, flags=flags)
         return DispatchPlan(framework, framework == "torch", num_tokens, num_topk, use_fp8, new_x, new_scales,
                             new_meta, offsets, (local, rows, self.num_ranks),
-                            dispatch_shared_bytes(hidden, num_tokens, num_topk, self.num_experts), args)
+                            dispatch_shared_bytes(hidden, num_tokens, num_topk, self.num_experts, self.num_ranks),
+                            args)
 
     def combine_plan(self, framework: str, num_tokens: int, num_topk: int) -> CombinePlan:
         args = self._common_args("ll_combine").set(num_tokens=num_tokens, num_topk=num_topk)

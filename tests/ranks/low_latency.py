@@ -371,9 +371,13 @@ def main() -> int:
         (small, [32] * R, 1, 0.0, True, False, False, False, False, True),
         (small, [12] + [11] * (R - 1), 2, 0.2, False, False, False, True, True, True),
         (small, [17] * R, 8 if R >= 8 else R, 0.1, True, False, False, False, False, True),
+        # Decode sizes, where every rank sends flagged messages and (at most 32 (token, k) a rank) takes its combine
+        # rows flagged: one token, and four in bf16 with holes (low_latency.cuh: the flagged path).
+        (big, [1] * R, 8, 0.0, True, False, False, False, False, False),
+        (big, [4] * R, 8, 0.2, False, False, False, True, False, False),
     ]
     if args.quick:
-        cases = cases[:2] + cases[7:8]
+        cases = cases[:2] + cases[7:8] + cases[10:]
     diffs = []
     for i, (buf, counts, topk, holes, fp8, rnd, ue8m0, hook, repeats, is_small) in enumerate(cases):
         r = run_case(buf, rank, R, 40 + i, counts, topk, holes, fp8, rnd, ue8m0, hook, repeats, is_small)
