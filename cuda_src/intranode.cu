@@ -55,7 +55,9 @@ enum NotifyPoint {
     kNotifyAtStart = 0,     // the block began
     kNotifyAtWritten = 1,   // block 0: counts and meta written into every peer's buffer
     kNotifyAtBarrier = 2,   // block 0: every peer's too (the barrier passed)
-    kNotifyAtEnd = 3,       // the block's results written (block 0: the host's counts published)
+    kNotifyAtChecked = 3,   // block 0: metas compared, rank_prefix_matrix and capacities checked
+    kNotifyAtPulled = 4,    // block 0: the per-expert counts read from the peers and the host's fields written
+    kNotifyAtEnd = 5,       // the block's results written (block 0: the host's counts published)
 };
 
 // Whether tokens t .. t + 31 go to rank `dst` (bit i: token t + i; 0 past `end`), one load a warp: the token
@@ -266,6 +268,7 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
             atomicOr(&status, theirs[3] & kFlagWorstTokens ? kStatusWorstTooSmall : kStatusOverCapacity);
     }
     __syncthreads();
+    timeline_mark(timeline, kNotifyAtChecked);
     // Where every rank's rings fit and every rank called alike, every peer's buffer has this call's layout (else
     // every rank stops, and the counts are not read); after the barrier every peer is in this notify, past its
     // previous combine, with its counts written.
@@ -287,6 +290,7 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
         host_out[2 + kMetaInts * kNumRanks + t] = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + t];
     }
     __syncthreads();
+    timeline_mark(timeline, kNotifyAtPulled);
     // A refused call's dispatch ends at once, so a faster peer can start its next notify, and write that call's
     // counts and meta into this buffer, while this rank still reads this call's: the rank could then decide
     // differently from its peers (see the retry after kStatusOverCapacity) and never run the call they wait for.

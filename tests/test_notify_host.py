@@ -296,3 +296,18 @@ def test_a_dispatch_handle_names_its_arrays_and_sizes():
     assert [getattr(handle, name).n for name in names] == list(range(6))
     views = (handle.rank_prefix_matrix, handle.channel_prefix_matrix, handle.recv_channel_offset, handle.send_head)
     assert views == ((0, None), (1, None), (2, None), (3, None)) and handle.recv_src_idx == (4, 8)  # rows received
+
+
+def test_a_replay_whose_handle_knows_its_rows_waits_for_no_record():
+    """A handle replay whose rows the handle knows returns without reading notify's record (its refusal is raised by
+    a later call, as a worst-token dispatch's); one whose rows never reached the host (a worst-token dispatch's
+    handle) and any internode replay wait for it; a dispatch without a handle always does."""
+    from epjit.ops.internode import Internode
+
+    plan = SimpleNamespace(num_tokens=1, hidden=2, num_topk=3, num_channels=4, num_experts=5)
+    known = ops.DispatchHandle((), 0, None, 77, 77, plan)
+    unknown = ops.DispatchHandle((), 0, None, -1, 128, plan)
+    assert ops.Intranode._replay_record(known) == [77]
+    assert ops.Intranode._replay_record(unknown) is None
+    assert ops.Intranode._replay_record(None) is None
+    assert Internode._replay_record(known) is None

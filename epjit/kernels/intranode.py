@@ -11,7 +11,7 @@ PEERS = ("peers", "const PeersTable*")
 NUM_THREADS = 768  # 24 warps a block: splits evenly among 1, 2, 3, 4, 6 and 8 ranks
 # EPJIT_PROFILE: enum IntranodePoint of cuda_src/intranode.cu, in order (stamps per block, timeline.cuh)
 TIMELINE_POINTS = ("start", "own_copied", "first_tail", "sent", "received", "last_tail")
-NOTIFY_TIMELINE_POINTS = ("start", "written", "barrier", "end")  # enum NotifyPoint
+NOTIFY_TIMELINE_POINTS = ("start", "written", "barrier", "checked", "pulled", "end")  # enum NotifyPoint
 CLAIMS = ("claims", "ChannelClaims*")  # cuda_src/placement.cuh: which block serves which channel
 CLAIMS_INTS = 2 + 128  # sizeof(ChannelClaims) / 4: next, arrived, tpc_taken[kMaxTpcs]
 META_INTS = 8  # intranode.cuh kMetaInts: {hidden, num_experts, num_topk, flags, recv_capacity, 0, 0, 0} a rank

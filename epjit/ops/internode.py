@@ -199,6 +199,11 @@ class Internode(Intranode):
                  "num_tokens_per_expert": saved + 4 * (self.num_ranks + self.num_nodes), "invalid_ids": 0},
                 handle.in_rank_ptr, handle.in_rank_owner)
 
+    @staticmethod
+    def _replay_record(handle: DispatchHandle | None) -> list[int] | None:
+        """Across nodes a replay waits for notify's record: the new handle takes its forwarded tokens from it."""
+        return None
+
     def _exact(self, record: list[int]) -> tuple[int, ...]:
         return record[0], record[forwarded_at(self.num_ranks) + self.mem.group.rank]
 

@@ -532,8 +532,11 @@ class Intranode:
         profile, streams = self.profile, self.streams
         profile.start()
         caller = caller_stream(plan.framework, self.device)
-        # Only a worst-token dispatch can be captured (the others wait for their counts): ask the stream only then.
-        host, call = self.records.take(plan.num_experts, plan.num_worst_tokens > 0 and is_capturing(caller))
+        # Only a dispatch that waits for no counts can be captured (worst-token outputs, or a replay whose handle
+        # knows its rows): ask the stream only then.
+        replayed = self._replay_record(handle)
+        waits = plan.num_worst_tokens == 0 and replayed is None
+        host, call = self.records.take(plan.num_experts, not waits and is_capturing(caller))
         flags = plan.flags | (FLAG_CAPTURED if call < 0 else 0)  # notify writes the graph's record only on refusal
         streams.begin(caller, previous_event)
         profile.mark("validated", streams.comm)
@@ -555,8 +558,9 @@ class Intranode:
             # The caller's stream waits for the kernels now, before the host waits for the counts: else a host
             # slower than dispatch would put its own time on the caller's stream.
             event = streams.finish(caller, async_finish)
-            if plan.num_worst_tokens > 0:
-                num_rows, per_expert_counts = plan.num_worst_tokens, []
+            if not waits:  # worst-token rows, or a replay's rows (its handle's)
+                record = [] if plan.num_worst_tokens > 0 else replayed or []
+                num_rows, per_expert_counts = plan.num_worst_tokens or record[0], []
                 break
             self._wait_for_counts(host)
             profile.mark("host_synced")
@@ -578,7 +582,7 @@ class Intranode:
                 outs = self._shrink(plan, outs, num_rows)
             profile.mark("shrunk")
             break
-        if plan.num_worst_tokens > 0 and call >= 0:  # its record is read once this event is done
+        if not waits and call >= 0:  # its record is read once this event is done
             self.records.add_pending(call, streams.mark(), host, plan.num_worst_tokens)
         new_handle = self._new_handle(ints, in_rank, in_rank_owner, record, num_rows, plan, buffer_id)
         if plan.kind == "torch":
@@ -613,6 +617,16 @@ class Intranode:
                      "invalid_ids": layout.invalid}, layout.in_rank, layout.in_rank_owner)
         return ({"num_tokens_per_rank": 0, "num_tokens_per_expert": 0, "invalid_ids": 0}, handle.in_rank_ptr,
                 handle.in_rank_owner)
+
+    @staticmethod
+    def _replay_record(handle: DispatchHandle | None) -> list[int] | None:
+        """What the host would read of notify's record for a replay of a handle whose rows it knows (their count,
+        the only field a replay uses), or None where it must wait for the record. A replay's notify exchanges no
+        counts (the handle brings them), so it can only refuse the call (ranks calling alike is all it checks):
+        such a refusal is raised by the next call on the Buffer, as a worst-token dispatch's is."""
+        if handle is None or handle.num_recv_tokens < 0:
+            return None
+        return [handle.num_recv_tokens]
 
     @staticmethod
     def _exact(record: list[int]) -> tuple[int, ...]:
