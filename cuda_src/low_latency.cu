@@ -449,7 +449,7 @@ __device__ __forceinline__ void send_format(const PeersTable* peers, const LowLa
 // The flagged path's send half: block t stages token t (at most one a block), every block waits for the acks,
 // then warp w < K of block t sends the token to its w-th rank while warps kLowLatencyMaxTopk.. of every block
 // send the counts and format words, all at once: nothing waits for a store to land.
-__device__ __forceinline__ void send_flagged_tokens(const PeersTable* peers, LowLatencyLayout lay,
+__device__ __forceinline__ void send_flagged_tokens(const PeersTable* peers, const LowLatencyLayout& lay,
                                                     const int4* x, const int* topk_experts, int4* staged,
                                                     int num_tokens, int num_topk, int hidden, int num_experts,
                                                     int max_tokens, int flags, uint32_t format, int epoch,
