@@ -350,10 +350,9 @@ __device__ __forceinline__ void send_to_rank(const PeersTable* peers, const LowL
 
 // This call's format (low_latency.cuh): the flagged path for a source of few tokens, one block a token, whose
 // every peer has a pointer.
-__device__ __forceinline__ uint32_t call_format(int num_tokens, int num_topk, int num_ranks, bool puts) {
-    const int fan_out = max(1, min(num_ranks - 1, num_topk));  // messages a token sends to other ranks, at most
-    if (puts || num_ranks > kFlaggedMaxRanks || num_tokens > kFlaggedTokens ||
-        num_tokens > static_cast<int>(gridDim.x) || num_tokens * fan_out > kFlaggedTokens)
+__device__ __forceinline__ uint32_t call_format(int num_tokens, int num_ranks, bool puts) {
+    if (puts || num_ranks > kFlaggedMaxRanks || num_tokens > ll_flagged_tokens(num_ranks) ||
+        num_tokens > static_cast<int>(gridDim.x))
         return 0;
     return kFormatFlaggedDispatch;
 }
@@ -368,10 +367,14 @@ __device__ __forceinline__ uint32_t token_ranks(const int* topk_experts, int t, 
     return ranks;
 }
 
-// Flagged messages to rank `dst` from the tokens before `end` (whole warp; a lane a token): message i of a
-// source is its i-th token with an expert on dst.
+// Flagged messages to rank `dst` from the tokens before `end` (whole warp; lanes take tokens lane and lane + 32):
+// message i of a source is its i-th token with an expert on dst.
 __device__ __forceinline__ int messages_before(const uint32_t* token_masks, int end, int dst, int lane) {
-    return __popc(__ballot_sync(0xffffffffu, lane < end && (token_masks[lane] >> dst & 1u)));
+    int n = 0;
+#pragma unroll
+    for (int t = lane; t < kFlaggedTokens; t += 32)
+        n += __popc(__ballot_sync(0xffffffffu, t < end && (token_masks[t] >> dst & 1u)));
+    return n;
 }
 
 // Warp w sends token t (staged) to the w-th distinct rank among its experts' as flagged message i of this rank
@@ -787,7 +790,7 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
         }
         if (__syncthreads_or(invalid) && blockIdx.x == 0 && threadIdx.x == 0)
             report_status(call_word, kLowLatencyInvalidIds);
-        const uint32_t format = call_format(num_tokens, num_topk, num_ranks, needs_puts(peers, force_puts));
+        const uint32_t format = call_format(num_tokens, num_ranks, needs_puts(peers, force_puts));
         if (format & kFormatFlaggedDispatch)
             send_flagged_tokens(peers, lay, x, topk_experts, staged, num_tokens, num_topk, hidden, num_experts,
                                 max_tokens, flags, format, epoch, call_word, timeline, warp, lane);

@@ -371,10 +371,12 @@ def main() -> int:
         (small, [32] * R, 1, 0.0, True, False, False, False, False, True),
         (small, [12] + [11] * (R - 1), 2, 0.2, False, False, False, True, True, True),
         (small, [17] * R, 8 if R >= 8 else R, 0.1, True, False, False, False, False, True),
-        # Decode sizes, where every rank sends flagged messages and (at most 32 (token, k) a rank) takes its combine
-        # rows flagged: one token, and four in bf16 with holes (low_latency.cuh: the flagged path).
+        # Decode sizes, where every rank sends flagged messages (low_latency.cuh: the flagged path): one token,
+        # and four in bf16 with holes; then up to the flagged path's 64 tokens a rank, flagged on 2 ranks (one
+        # message a token) and past its 64 messages on 4 and 8 (the signal path).
         (big, [1] * R, 8, 0.0, True, False, False, False, False, False),
         (big, [4] * R, 8, 0.2, False, False, False, True, False, False),
+        (big, [64 - 3 * r for r in range(R)], 8, 0.1, True, False, False, False, False, False),
     ]
     if args.quick:
         cases = cases[:2] + cases[7:8] + cases[10:]
