@@ -350,9 +350,10 @@ __device__ __forceinline__ void send_to_rank(const PeersTable* peers, const LowL
 
 // This call's format (low_latency.cuh): the flagged path for a source of few tokens, one block a token, whose
 // every peer has a pointer.
-__device__ __forceinline__ uint32_t call_format(int num_tokens, int num_ranks, bool puts) {
-    if (puts || num_ranks > kFlaggedMaxRanks || num_tokens > ll_flagged_tokens(num_ranks) ||
-        num_tokens > static_cast<int>(gridDim.x))
+__device__ __forceinline__ uint32_t call_format(int num_tokens, int num_topk, int num_ranks, bool puts) {
+    const int fan_out = max(1, min(num_ranks - 1, num_topk));  // messages a token sends to other ranks, at most
+    if (puts || num_ranks > kFlaggedMaxRanks || num_tokens > kFlaggedTokens ||
+        num_tokens > static_cast<int>(gridDim.x) || num_tokens * fan_out > kFlaggedMessages)
         return 0;
     return kFormatFlaggedDispatch;
 }
@@ -790,7 +791,7 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
         }
         if (__syncthreads_or(invalid) && blockIdx.x == 0 && threadIdx.x == 0)
             report_status(call_word, kLowLatencyInvalidIds);
-        const uint32_t format = call_format(num_tokens, num_ranks, needs_puts(peers, force_puts));
+        const uint32_t format = call_format(num_tokens, num_topk, num_ranks, needs_puts(peers, force_puts));
         if (format & kFormatFlaggedDispatch)
             send_flagged_tokens(peers, lay, x, topk_experts, staged, num_tokens, num_topk, hidden, num_experts,
                                 max_tokens, flags, format, epoch, call_word, timeline, warp, lane);

@@ -14,7 +14,7 @@
 //   staging         [M] x msg + [M][R] x header   what NVSHMEM puts read (only where no NVLink pointer)
 //   formats         uint64 [R src]              dispatch: (epoch << 32) | format: whether src's messages here are
 //                                               flagged, and how many it sent
-//   flagged msgs    [R src][F] x 2 msg    small dispatches' messages, flagged (below); F = ll_flagged_tokens(R)
+//   flagged msgs    [R src][kFlaggedTokens] x 2 msg    small dispatches' messages, flagged (below)
 //
 // A small dispatch takes the flagged path: every 8 bytes of its messages travel as {4 data bytes, the call's
 // epoch} (16-byte stores {a, epoch, b, epoch}; an 8-byte half lands whole), so a receiver polls the data itself
@@ -43,22 +43,20 @@ constexpr int kLowLatencyHeaderBytes = 144;  // int4 {token, meta, entries, epoc
 constexpr int kLowLatencyHeaderInt4 = kLowLatencyHeaderBytes / 16;
 static_assert(kLowLatencyHeaderBytes == 16 + 8 * kLowLatencyMaxTopk, "one int2 entry per top-k slot");
 
-// The flagged path's limits: a source sends flagged messages when its tokens are at most ll_flagged_tokens(R),
-// so that at most kFlaggedMessages messages leave it (a token goes to min(R - 1, K) other ranks at most, K <= 16).
-// Beyond, the doubled bytes cost more than the signal path saves (64 messages of a 7168-wide FP8 token: 0.9 MB
-// flagged, about 2.8 us of NVLink, against the ~5 us chain of fences and count hand-offs the signal path puts
-// before a receiver may read). A destination holds ll_flagged_tokens(R) flagged messages of each source.
+// The flagged path's limits: a source sends flagged messages when it has at most kFlaggedTokens tokens and at
+// most kFlaggedMessages messages leave it (tokens x min(R - 1, K)): on 2 ranks 64 tokens, at top-8 on 4 ranks 21,
+// on 8 ranks 9. Beyond, the doubled bytes cost more than the signal path saves (64 messages of a 7168-wide FP8
+// token: 0.9 MB flagged, about 2.8 us of NVLink, against the ~5 us chain of fences and count hand-offs the signal
+// path puts before a receiver may read). The region's stride is kFlaggedTokens whatever R, a compile-time
+// constant: a stride from R (a smaller region on 4 and 8 ranks) cost every dispatch 1-2.5 us on 2 x H100, large
+// calls included, for no reason its instruction counts showed.
 constexpr int kFlaggedMessages = 64;
-constexpr int kFlaggedTokens = kFlaggedMessages;  // the most of any rank count (2 ranks: one message a token)
+constexpr int kFlaggedTokens = kFlaggedMessages;  // 2 ranks: one message a token
 constexpr int kFlaggedMaxRanks = 32;  // a token's destination ranks as one 32-bit mask
-__host__ __device__ constexpr int ll_flagged_tokens(int num_ranks) {
-    return kFlaggedMessages / (num_ranks <= 2 ? 1 : num_ranks - 1 < 16 ? num_ranks - 1 : 16);
-}
 // A format word's low bits: the messages sent (flagged path), then what is flagged.
 constexpr uint32_t kFormatMessagesMask = 0xffff;
 constexpr uint32_t kFormatFlaggedDispatch = 1u << 16;
 static_assert(kFlaggedTokens <= 64, "two ballots of a warp cover a flagged source's tokens");
-static_assert(ll_flagged_tokens(2) == kFlaggedTokens && kLowLatencyMaxTopk == 16, "the bounds above");
 
 __host__ __device__ constexpr int64_t ll_align(int64_t n) { return (n + 255) / 256 * 256; }
 
@@ -77,13 +75,13 @@ struct LowLatencyLayout {
     uint64_t* formats;
     char* flagged_msgs;
     int64_t msg_bytes, combine_row_bytes, set_bytes;
-    int num_ranks, max_tokens, flagged_tokens;
+    int num_ranks, max_tokens;
 
     __host__ __device__ LowLatencyLayout(void* sym_base, int set, int num_ranks_, int num_experts, int max_tokens_,
                                          int hidden)
         : msg_bytes(ll_msg_bytes(hidden)), combine_row_bytes(2 * static_cast<int64_t>(hidden)),
-          num_ranks(num_ranks_), max_tokens(max_tokens_), flagged_tokens(ll_flagged_tokens(num_ranks_)) {
-        const int64_t R = num_ranks, E = num_experts, L = num_experts / num_ranks, M = max_tokens, F = flagged_tokens;
+          num_ranks(num_ranks_), max_tokens(max_tokens_) {
+        const int64_t R = num_ranks, E = num_experts, L = num_experts / num_ranks, M = max_tokens;
         int64_t off = 0;
         const int64_t counts_off = off;
         off += ll_align(L * R * 8);
@@ -102,7 +100,7 @@ struct LowLatencyLayout {
         const int64_t formats_off = off;
         off += ll_align(R * 8);
         const int64_t flagged_msgs_off = off;
-        off += ll_align(R * F * 2 * msg_bytes);
+        off += ll_align(R * kFlaggedTokens * 2 * msg_bytes);
         set_bytes = off;
         char* base = static_cast<char*>(sym_base) + set * set_bytes;
         counts = reinterpret_cast<uint64_t*>(base + counts_off);
@@ -123,9 +121,9 @@ struct LowLatencyLayout {
         return reinterpret_cast<int4*>(staging_headers +
                                        (static_cast<int64_t>(token) * num_ranks + dst) * kLowLatencyHeaderBytes);
     }
-    // Flagged message i from src (i < flagged_tokens), 2 x msg_bytes: each data int4 as two flagged int4.
+    // Flagged message i from src (i < kFlaggedTokens), 2 x msg_bytes: each data int4 as two flagged int4.
     __device__ int4* flagged_msg(int src, int i) const {
-        const int64_t index = static_cast<int64_t>(src) * flagged_tokens + i;
+        const int64_t index = static_cast<int64_t>(src) * kFlaggedTokens + i;
         return reinterpret_cast<int4*>(flagged_msgs + index * 2 * msg_bytes);
     }
     __device__ int4* combine_slot(int token, int k) const {

@@ -40,16 +40,6 @@ def test_constants_match_the_sources():
     assert sum(4 * int(n or 1) for _, n in fields) == ll.SYNC_BYTES
 
 
-def test_flagged_tokens_follow_the_header():
-    # ll_flagged_tokens(R): 64 messages over the other ranks a token can reach (at most 16, the top-k bound).
-    body = re.search(r"ll_flagged_tokens\(int num_ranks\) \{\s*return (.*?);\s*\}", HEADER, re.S)
-    assert body and body.group(1) == ("kFlaggedMessages / (num_ranks <= 2 ? 1 : num_ranks - 1 < 16 ? num_ranks - 1 "
-                                      ": 16)")
-    for r in range(1, 33):
-        assert ll.flagged_tokens(r) == 64 // (1 if r <= 2 else min(r - 1, 16)), r
-    assert [ll.flagged_tokens(r) for r in (2, 4, 8, 16, 32)] == [64, 21, 9, 4, 4]
-
-
 def test_set_bytes_follow_the_header_regions():
     # The regions the constructor lays out, in order, each rounded to 256 bytes (the mirror's derivation).
     regions = re.findall(r"off \+= ll_align\((.*?)\);", HEADER)
@@ -57,7 +47,7 @@ def test_set_bytes_follow_the_header_regions():
     r, e, m, h = 4, 256, 128, 7168
     env = {"L": e // r, "R": r, "E": e, "M": m, "msg_bytes": ll.message_bytes(h), "combine_row_bytes": 2 * h,
            "kLowLatencyMaxTopk": ll.LOW_LATENCY_MAX_TOPK, "kLowLatencyHeaderBytes": ll.LOW_LATENCY_HEADER_BYTES,
-           "F": ll.flagged_tokens(r)}
+           "kFlaggedTokens": ll.FLAGGED_TOKENS}
     total = sum((eval(expr, {}, env) + 255) // 256 * 256 for expr in regions)  # noqa: S307 (our own header)
     assert total == ll.low_latency_set_bytes(r, e, m, h)
 
@@ -70,8 +60,8 @@ def test_buffer_is_at_most_deepeps(ranks):
     assert ours <= deepep
     # Two sets of combine slots [128 tokens x 16 top-k x 14 KB] dominate; dispatch slots are one message a
     # (source, token), not one a (local expert, source, slot) as in DeepEP (which needs ~1.9 GB here). The flagged
-    # region of small dispatches adds 64 / min(R - 1, 16) doubled messages a source a set (~4 MB on 8 ranks).
-    assert 60e6 < ours < 120e6
+    # region of small dispatches adds 64 doubled messages a source a set (~30 MB on 8 ranks).
+    assert 60e6 < ours < 130e6
 
 
 def test_message_stride_fits_both_payloads():

@@ -14,7 +14,7 @@ LOW_LATENCY_HEADER_BYTES = 16 + 8 * LOW_LATENCY_MAX_TOPK  # kLowLatencyHeaderByt
 SYNC_BYTES = 32  # sizeof(LowLatencySync); int32 expert_sent[num_experts] follow it
 # The flagged path of small dispatches (cuda_src/low_latency.cuh): its region's size and the format word's bit.
 FLAGGED_MESSAGES = 64  # kFlaggedMessages: messages leaving a flagged source, at most
-FLAGGED_TOKENS = FLAGGED_MESSAGES  # kFlaggedTokens: a flagged source's tokens on 2 ranks (the most of any count)
+FLAGGED_TOKENS = FLAGGED_MESSAGES  # kFlaggedTokens: a flagged source's tokens, and its region's stride
 FORMAT_FLAGGED_DISPATCH = 1 << 16
 MAX_DYNAMIC_SHARED_BYTES = 227 * 1024  # sm_90's opt-in limit per block
 # EPJIT_PROFILE: enum TimelinePoint of cuda_src/low_latency.cu, in order (stamps per block, timeline.cuh)
@@ -79,18 +79,13 @@ def dispatch_shared_bytes(hidden: int, num_tokens: int, num_topk: int, num_exper
     return 2 * 2 * hidden + 4 * num_tokens * num_topk + 2 * 4 * num_experts + 4 * (3 * num_ranks + 2)
 
 
-def flagged_tokens(num_ranks: int) -> int:
-    """ll_flagged_tokens: a flagged source's tokens at most, and its flagged messages a destination holds."""
-    return FLAGGED_MESSAGES // max(1, min(num_ranks - 1, LOW_LATENCY_MAX_TOPK))
-
-
 def low_latency_set_bytes(num_ranks: int, num_experts: int, max_tokens: int, hidden: int) -> int:
     """Bytes of one buffer set (the mirror of LowLatencyLayout's constructor)."""
     r, e, m = num_ranks, num_experts, max_tokens
     local = e // r
     msg = message_bytes(hidden)
     sizes = [local * r * 8, e * 8, r * 8, r * m * msg, m * LOW_LATENCY_MAX_TOPK * 2 * hidden, m * msg,
-             m * r * LOW_LATENCY_HEADER_BYTES, r * 8, r * flagged_tokens(r) * 2 * msg]
+             m * r * LOW_LATENCY_HEADER_BYTES, r * 8, r * FLAGGED_TOKENS * 2 * msg]
     return sum(_align(s) for s in sizes)
 
 
