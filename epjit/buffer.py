@@ -57,8 +57,8 @@ _MAX_PLANS = 512  # plans kept per Buffer (a model has a few shapes; a sweep ove
 
 def _group_of(group: Any) -> Group:
     """The epjit group over a torch ProcessGroup (DeepEP's Buffer takes one), made or found by ``epjit.init``."""
-    from ._torch_transport import is_process_group
     from .group import init
+    from .group.torch_dist import is_process_group
 
     if is_process_group(group):
         return init(torch_group=group)

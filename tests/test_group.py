@@ -14,10 +14,12 @@ import numpy as np
 import pytest
 
 import epjit
-from epjit import _channel as ch
 from epjit import group as grp
 from epjit.errors import ArgumentError, ArgumentTypeError, CollectiveError
-from epjit.launch import RendezvousServer
+from epjit.group import bootstrap, topology
+from epjit.group import channel as ch
+from epjit.group.group import differs
+from epjit.group.rendezvous import RendezvousServer
 
 from .ranks.procs import PYTHON, RANKS, clean_env, launcher, mpiexec, run
 
@@ -30,26 +32,26 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_differs_message_lists_every_rank():
-    assert grp._differs("hidden", [7168, 4096]) == "hidden differs across ranks: rank 0: 7168, rank 1: 4096"
+    assert differs("hidden", [7168, 4096]) == "hidden differs across ranks: rank 0: 7168, rank 1: 4096"
     assert (
-        grp._differs("hidden", [1, 1, 1, 2, 1, 1])
+        differs("hidden", [1, 1, 1, 2, 1, 1])
         == "hidden differs across ranks: ranks 0-2: 1, rank 3: 2, ranks 4-5: 1"
     )
-    assert "'bf16'" in grp._differs("dtype", ["bf16", "fp8"])
+    assert "'bf16'" in differs("dtype", ["bf16", "fp8"])
 
 
 def _info(host, local_rank, local_size, gpus=0, note="no CUDA device", node_key=None, driver=False, cvd=None,
           share=False):
-    return grp._RankInfo(host, node_key, local_rank, local_size, None, None, gpus, note, driver, cvd, share)
+    return topology.RankInfo(host, node_key, local_rank, local_size, None, None, gpus, note, driver, cvd, share)
 
 
 def test_topology_numbers_nodes_by_their_lowest_rank():
     # MPI keys (lowest rank of each shared-memory group), ranks placed round-robin over two hosts
     infos = [_info("b", 0, 2, node_key=0), _info("a", 0, 2, node_key=1), _info("b", 1, 2, node_key=0)]
     infos.append(_info("a", 1, 2, node_key=1))
-    assert grp._topology(infos) == ([0, 1, 0, 1], ["b", "a"])
+    assert topology.number_nodes(infos) == ([0, 1, 0, 1], ["b", "a"])
     # the launcher: no key, by host name
-    assert grp._topology([_info("h", 0, 2), _info("h", 1, 2)]) == ([0, 0], ["h"])
+    assert topology.number_nodes([_info("h", 0, 2), _info("h", 1, 2)]) == ([0, 0], ["h"])
 
 
 @pytest.mark.parametrize(
@@ -66,7 +68,7 @@ def test_topology_numbers_nodes_by_their_lowest_rank():
 )
 def test_nvl_problem(nvl, nodes, local, message):
     hosts = [f"h{n}" for n in nodes]
-    problem = grp._nvl_problem(nvl, nodes, local, hosts)
+    problem = topology.nvl_problem(nvl, nodes, local, hosts)
     if message is None:
         assert problem is None
     else:
@@ -76,35 +78,35 @@ def test_nvl_problem(nvl, nodes, local, message):
 def test_gpu_plan():
     four = [0, 0, 0, 0]
     # enough GPUs: GPU = local rank
-    plan, problem = grp._gpu_plan([_info("h", r, 4, gpus=8, note=None) for r in range(4)], None, four)
+    plan, problem = topology.gpu_plan([_info("h", r, 4, gpus=8, note=None) for r in range(4)], None, four)
     assert (plan, problem) == ([0, 1, 2, 3], None)
     # too few
-    plan, problem = grp._gpu_plan([_info("h", r, 4, gpus=2, note=None) for r in range(4)], None, four)
+    plan, problem = topology.gpu_plan([_info("h", r, 4, gpus=2, note=None) for r in range(4)], None, four)
     assert plan == [None] * 4 and problem == "4 local ranks but only 2 GPU(s) on host h"
     # ...unless every rank asks to share them (EPJIT_SHARE_GPUS, the tests' 4 ranks on 2 GPUs): round robin
-    plan, problem = grp._gpu_plan([_info("h", r, 4, gpus=2, note=None, share=True) for r in range(4)], None, four)
+    plan, problem = topology.gpu_plan([_info("h", r, 4, gpus=2, note=None, share=True) for r in range(4)], None, four)
     assert (plan, problem) == ([0, 1, 0, 1], None)
     infos = [_info("h", r, 4, gpus=2, note=None, share=r != 3) for r in range(4)]
-    assert grp._gpu_plan(infos, None, four)[1] == "4 local ranks but only 2 GPU(s) on host h"
+    assert topology.gpu_plan(infos, None, four)[1] == "4 local ranks but only 2 GPU(s) on host h"
     # a wrapper gave each rank its own GPU through CUDA_VISIBLE_DEVICES
     infos = [_info("h", r, 2, gpus=1, note=None, cvd=str(r)) for r in range(2)]
-    assert grp._gpu_plan(infos, None, [0, 0]) == ([0, 0], None)
+    assert topology.gpu_plan(infos, None, [0, 0]) == ([0, 0], None)
     # no GPU: CPU tier, unless a GPU is required
     infos = [_info("h", r, 2) for r in range(2)]
-    assert grp._gpu_plan(infos, None, [0, 0]) == ([None, None], None)
-    _, problem = grp._gpu_plan(infos, True, [0, 0])
+    assert topology.gpu_plan(infos, None, [0, 0]) == ([None, None], None)
+    _, problem = topology.gpu_plan(infos, True, [0, 0])
     assert problem.startswith("bind_device=True but no GPU is visible on host h")
-    assert grp._gpu_plan([_info("h", 0, 1, gpus=4, note=None)], False, [0]) == ([None], None)
+    assert topology.gpu_plan([_info("h", 0, 1, gpus=4, note=None)], False, [0]) == ([None], None)
     # a driver is loaded but the runtime cannot use it: refuse rather than silently run without GPUs
     infos = [_info("h", 0, 1, note="cudaGetDeviceCount: cudaErrorInsufficientDriver", driver=True)]
-    _, problem = grp._gpu_plan(infos, None, [0])
+    _, problem = topology.gpu_plan(infos, None, [0])
     assert "has an NVIDIA driver" in problem and "cudaErrorInsufficientDriver" in problem
     # ...but CUDA_VISIBLE_DEVICES="" on a GPU machine is a deliberate CPU run
     infos = [_info("h", 0, 1, note="no CUDA device (cudaErrorNoDevice)", driver=True, cvd="")]
-    assert grp._gpu_plan(infos, None, [0]) == ([None], None)
+    assert topology.gpu_plan(infos, None, [0]) == ([None], None)
     # GPUs on one host only
     infos = [_info("a", 0, 1, gpus=1, note=None), _info("b", 0, 1)]
-    _, problem = grp._gpu_plan(infos, None, [0, 1])
+    _, problem = topology.gpu_plan(infos, None, [0, 1])
     assert "hosts a have GPUs but b none" in problem
 
 
@@ -125,12 +127,12 @@ def test_gpu_plan():
     ],
 )
 def test_choose_backend(environ, expected):
-    assert grp._choose_backend(environ, False, False) == expected
+    assert bootstrap._choose_backend(environ, False, False) == expected
 
 
 def test_choose_backend_with_comm_or_initialised_mpi():
-    assert grp._choose_backend({}, True, False) == "mpi"
-    assert grp._choose_backend({}, False, True) == "mpi"
+    assert bootstrap._choose_backend({}, True, False) == "mpi"
+    assert bootstrap._choose_backend({}, False, True) == "mpi"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -327,7 +329,7 @@ def server():
 
 def _group(client: ch.Client) -> grp.Group:
     return grp.Group(
-        transport=grp._LauncherTransport(client),
+        transport=ch.LauncherTransport(client),
         backend="launcher",
         rank=client.rank,
         size=client.size,
@@ -424,7 +426,7 @@ def test_collective_failure_in_cleanup_keeps_the_error_being_handled(server):
 
 
 def test_torch_group_placement_by_host_names_or_torchrun_variables():
-    from epjit._torch_transport import local_placement
+    from epjit.group.torch_dist import local_placement
 
     class Hosts:  # the transport's allgather, as if every rank had sent its host name
         def __init__(self, hosts):

@@ -1,8 +1,9 @@
-"""The local launcher's rendezvous channel: wire format, and the client that each rank uses.
+"""The local launcher's rendezvous channel: wire format, the client that each rank uses, and the transport of the
+``"launcher"`` backend over it.
 
-``python -m epjit.launch`` runs the server (in ``epjit/launch.py``); every rank it starts connects once, over TCP
-on 127.0.0.1, and runs its collectives through it. Only the standard library is used here: a rank started by the
-launcher never imports MPI.
+``python -m epjit.launch`` runs the server (``rendezvous.py``); every rank it starts connects once, over TCP on
+127.0.0.1, and runs its collectives through it. Nothing here imports more than the standard library and epjit's
+settings and errors: a rank started by the launcher never imports MPI.
 
 Wire format (integers big-endian)::
 
@@ -24,6 +25,11 @@ import json
 import os
 import socket
 import struct
+from collections.abc import Mapping
+
+from .. import env
+from ..errors import SetupError
+from .transport import ChannelFailure, Placement, Transport, int_var
 
 PROTOCOL_VERSION = 1
 
@@ -44,14 +50,6 @@ MAX_FRAME = 1 << 34
 
 class ProtocolError(Exception):
     """The peer sent something that is not a frame of this protocol."""
-
-
-class ChannelFailure(Exception):
-    """A collective over the channel failed; ``fatal`` when the channel can no longer be used."""
-
-    def __init__(self, message: str, *, fatal: bool) -> None:
-        super().__init__(message)
-        self.fatal = fatal
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray | None:
@@ -231,3 +229,55 @@ class Client:
         The socket stays open, so that a later ``epjit.init()`` in the same process goes on with the next step.
         """
         self._call(CLOSE, True, 0, b"")
+
+
+class LauncherTransport:
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def allgather(self, data: bytes | None) -> list[bytes | None]:
+        return self._client.allgather(data)
+
+    def bcast(self, data: bytes | None, root: int) -> bytes | None:
+        return self._client.bcast(data, root)
+
+    def barrier(self) -> None:
+        self._client.barrier()
+
+    def close(self) -> None:
+        self._client.close_group()
+
+
+# This process's connection to epjit.launch (see join).
+_client: Client | None = None
+
+
+def join(environ: Mapping[str, str], timeout: float | None) -> tuple[Transport, Placement]:
+    """(transport, placement) of this rank of ``python -m epjit.launch``, from the variables the launcher set."""
+    global _client
+
+    def need_int(name: str) -> int:
+        value = int_var(environ, name)
+        if value is None or value < 0:
+            raise SetupError(
+                f"{env.LAUNCH_ADDR} is set but {name}={environ.get(name)!r} is not a rank number: "
+                "was this process started by `python -m epjit.launch`?"
+            )
+        return value
+
+    rank, size = need_int(env.RANK), need_int(env.WORLD_SIZE)
+    local_rank, local_size = need_int(env.LOCAL_RANK), need_int(env.LOCAL_SIZE)
+    addr, token = environ[env.LAUNCH_ADDR], environ.get(env.LAUNCH_TOKEN, "")
+    if not (0 <= rank < size and 0 <= local_rank < local_size):
+        raise SetupError(
+            f"the launcher's variables are inconsistent: {env.RANK}={rank}, {env.WORLD_SIZE}={size}, "
+            f"{env.LOCAL_RANK}={local_rank}, {env.LOCAL_SIZE}={local_size}"
+        )
+    client = _client
+    if client is None or not client.usable or (client.addr, client.rank, client.size) != (addr, rank, size):
+        try:
+            client = Client(addr, token, rank, size, timeout)
+        except (ChannelFailure, ValueError) as e:
+            raise SetupError(f"rank {rank} cannot join the launcher's channel: {e}") from None
+        _client = client  # kept for the life of the process: a later init() after close() reuses it
+    return LauncherTransport(client), Placement(rank, size, local_rank, local_size, None)

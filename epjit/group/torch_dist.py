@@ -2,7 +2,7 @@
 id, arguments to compare) over a torch ``ProcessGroup``, gloo or NCCL, for jobs started by ``torchrun`` or run
 inside a framework that already has its process groups (vLLM, SGLang, Megatron-LM).
 
-Imported only when such a group is used: torch stays optional. The collectives are tensor all-gathers of the
+torch is imported only when such a group is used: it stays optional. The collectives are tensor all-gathers of the
 lengths, then of the padded bytes (an object collective would pickle twice and cannot be timed out); on a group
 with a gloo backend they use CPU tensors and wait at most ``EPJIT_COLLECTIVE_TIMEOUT_S``, on an NCCL-only group
 CUDA tensors on the current device (set it before, as NCCL itself requires) and NCCL's own watchdog times them out.
@@ -11,11 +11,13 @@ CUDA tensors on the current device (set it before, as NCCL itself requires) and 
 from __future__ import annotations
 
 import datetime
+import socket
 import sys
 from collections.abc import Mapping
 from typing import Any
 
-from ._channel import ChannelFailure
+from ..errors import CollectiveError, SetupError
+from .transport import ChannelFailure, Placement, Transport, how_to_start, size_hint
 
 
 def is_process_group(obj: object) -> bool:
@@ -85,7 +87,7 @@ class TorchTransport:
             self._dist.destroy_process_group()
 
 
-def join(group: Any, timeout: float | None) -> tuple[TorchTransport, int, int, Any]:
+def _join_group(group: Any, timeout: float | None) -> tuple[TorchTransport, int, int, Any]:
     """(transport, rank, size, the group) for ``group``, or for torchrun's default group when ``group`` is None,
     creating a gloo one (env://, what torchrun sets) when the script has none. Raises ImportError without torch."""
     import torch.distributed as dist
@@ -110,3 +112,30 @@ def local_placement(transport: TorchTransport, rank: int, world: bool, environ: 
             return int(local_rank), int(local_size)
     hosts = [b.decode() if b is not None else "" for b in transport.allgather(host.encode())]
     return hosts[:rank].count(host), hosts.count(host)
+
+
+def join(group: Any, environ: Mapping[str, str], timeout: float | None) -> tuple[Transport, Placement, Any]:
+    """(transport, placement, the group) over ``group``, or over torchrun's default group when it is None."""
+    hint = size_hint(environ, ("WORLD_SIZE",))
+    try:
+        transport, rank, size, group = _join_group(group, timeout)
+    except ImportError as e:
+        n = hint[1] if hint is not None else 2
+        raise SetupError(
+            f"WORLD_SIZE={n} says this process is one of {n} ranks (torchrun?), but torch.distributed cannot be "
+            f"imported ({e}): install torch, or {how_to_start(n)}"
+        ) from None
+    except (ValueError, RuntimeError) as e:  # no MASTER_ADDR / MASTER_PORT, a rendezvous that failed
+        n = hint[1] if hint is not None else 2
+        raise SetupError(
+            f"WORLD_SIZE={n} says this process is one of {n} ranks, but it cannot join torch.distributed's default "
+            f"process group ({e}): start it with `torchrun --nproc-per-node {n} ...`, or {how_to_start(n)}"
+        ) from None
+    import torch.distributed as dist
+
+    try:
+        local_rank, local_size = local_placement(transport, rank, group is dist.group.WORLD, environ,
+                                                 socket.gethostname())
+    except ChannelFailure as e:
+        raise CollectiveError(f"init failed: {e}") from None
+    return transport, Placement(rank, size, local_rank, local_size, None), group
