@@ -53,12 +53,20 @@ def low_latency_rdma_bytes(group: Group, m: int, h: int, e: int, num_rdma_bytes:
     return num_rdma_bytes or need
 
 
+def _flags(return_recv_hook: Any, async_finish: Any) -> tuple[bool, bool]:
+    """A call's two flags as bools (refused as check_flag refuses them), the common case read without a call."""
+    if type(return_recv_hook) is not bool or type(async_finish) is not bool:
+        return check_flag(return_recv_hook, "return_recv_hook"), check_flag(async_finish, "async_finish")
+    return return_recv_hook, async_finish
+
+
 class LowLatencyFront:
     """Low-latency mode of a Buffer: argument checks, plans, and the family's ops."""
 
     def __init__(self, res: Resources) -> None:
         self.res, self.device, self.buffer_id, self.num_ranks = res, res.device, res.buffer_id, res.group.size
         self.plans = Plans()
+        self.dispatch_inputs, self.combine_inputs = DispatchInputs(), CombineInputs()  # refilled by each call
         self.ops = LowLatency(res.mem, res.streams, res.outputs, res.profile, self.device,
                               res.num_max_dispatch_tokens_per_rank, res.hidden, res.num_experts,
                               res.settings.ll_force_puts, res.settings.ll_num_sms)
@@ -87,8 +95,10 @@ class LowLatencyFront:
         if plan is None:
             plan, x, topk_idx, stats = self._dispatch_plan(key, x, topk_idx, stats, num_max_dispatch_tokens_per_rank,
                                                            num_experts, use_fp8, round_scale, use_ue8m0)
-        return ops.dispatch(plan, DispatchInputs(x, topk_idx, stats), self.buffer_id,
-                            check_flag(return_recv_hook, "return_recv_hook"), check_flag(async_finish, "async_finish"))
+        inputs = self.dispatch_inputs
+        inputs.x, inputs.topk_idx, inputs.cumulative_stats = x, topk_idx, stats
+        hook, async_finish = _flags(return_recv_hook, async_finish)
+        return ops.dispatch(plan, inputs, self.buffer_id, hook, async_finish)
 
     def _dispatch_plan(self, key: tuple[Any, ...], x: Any, topk_idx: Any, stats: Any, num_max: int,
                        num_experts: int, use_fp8: Any, round_scale: Any, use_ue8m0: Any) -> tuple[Any, ...]:
@@ -145,8 +155,10 @@ class LowLatencyFront:
             plan, y, topk_idx, topk_weights, out = self._combine_plan(key, y, topk_idx, topk_weights, out, handle)
         if check_flag(zero_copy, "zero_copy") and not ops.is_combine_buffer(address(y)):
             raise ArgumentError(with_rank("zero_copy=True needs y from get_next_low_latency_combine_buffer(handle)"))
-        return ops.combine(plan, CombineInputs(y, topk_idx, topk_weights, out), handle,
-                           check_flag(return_recv_hook, "return_recv_hook"), check_flag(async_finish, "async_finish"))
+        inputs = self.combine_inputs
+        inputs.y, inputs.topk_idx, inputs.topk_weights, inputs.out = y, topk_idx, topk_weights, out
+        hook, async_finish = _flags(return_recv_hook, async_finish)
+        return ops.combine(plan, inputs, handle, hook, async_finish)
 
     def _combine_plan(self, key: tuple[Any, ...], y: Any, topk_idx: Any, topk_weights: Any, out: Any,
                       handle: LowLatencyHandle) -> tuple[Any, ...]:

@@ -39,6 +39,7 @@ class IntranodeFront:
         self.res, self.device, self.buffer_id = res, res.device, res.buffer_id
         self.num_ranks, self.num_nvl_ranks, self.num_experts = group.size, group.num_nvl_ranks, res.num_experts
         self.plans = Plans()
+        self.dispatch_inputs, self.combine_inputs = DispatchInputs(), CombineInputs()  # refilled by each call
         self.ops = self._ops(res)
         self.layout_ops = Layout(res.streams, res.outputs, self.device, group.size, group.num_nvl_ranks)
         # what a call without a config gets (a test may set its own)
@@ -120,7 +121,8 @@ class IntranodeFront:
                  previous_event: Event | None, async_finish: Any, num_experts: Any) -> DispatchResult:
         ops = self.ops
         ops.check_pending(self._caller_capturing)
-        async_finish = check_flag(async_finish, "async_finish")  # before the layout kernel a call may run
+        if type(async_finish) is not bool:  # before the layout kernel a call may run
+            async_finish = check_flag(async_finish, "async_finish")
         # Numbers enter the plan key as ints: 8.0 or True would find the plan of 8 or 1 and skip every check.
         if type(num_worst_tokens) is not int or type(expert_alignment) is not int:
             num_worst_tokens = check_int(num_worst_tokens, "num_worst_tokens")
@@ -154,8 +156,11 @@ class IntranodeFront:
             if auto_experts:
                 layout = self.get_dispatch_layout(topk_idx, auto_experts, None, False)
             layout_inputs = None if handle is not None else self._layout_inputs(layout, plan.num_tokens)[0]
-        inputs = DispatchInputs(x[0], x[1], topk_idx, topk_weights) if plan.fp8 else \
-            DispatchInputs(x, None, topk_idx, topk_weights)
+        inputs = self.dispatch_inputs
+        if plan.fp8:
+            inputs.x, inputs.x_scales, inputs.topk_idx, inputs.topk_weights = x[0], x[1], topk_idx, topk_weights
+        else:
+            inputs.x, inputs.x_scales, inputs.topk_idx, inputs.topk_weights = x, None, topk_idx, topk_weights
         return ops.dispatch(plan, inputs, layout_inputs, handle, self.buffer_id, previous_event, async_finish)
 
     def _dispatch_x(self, x: Any) -> tuple[Any, Any, tuple[int, int], str]:
@@ -273,13 +278,17 @@ class IntranodeFront:
         if plan is None:
             plan, y, topk_weights, bias = self._combine_plan(key, y, handle, topk_weights, bias, config,
                                                              previous_event)
+        inputs = self.combine_inputs
+        inputs.y, inputs.topk_weights = y, topk_weights
         if bias is None:
-            inputs = CombineInputs(y, topk_weights, None, None)
+            inputs.bias0 = inputs.bias1 = None
         elif type(bias) is tuple or type(bias) is list:
-            inputs = CombineInputs(y, topk_weights, bias[0] if bias else None, bias[1] if len(bias) > 1 else None)
+            inputs.bias0, inputs.bias1 = bias[0] if bias else None, bias[1] if len(bias) > 1 else None
         else:
-            inputs = CombineInputs(y, topk_weights, bias, None)
-        return ops.combine(plan, inputs, handle, previous_event, check_flag(async_finish, "async_finish"))
+            inputs.bias0, inputs.bias1 = bias, None
+        if type(async_finish) is not bool:
+            async_finish = check_flag(async_finish, "async_finish")
+        return ops.combine(plan, inputs, handle, previous_event, async_finish)
 
     def _combine_plan(self, key: tuple[Any, ...], y: Any, handle: DispatchHandle, topk_weights: Any, bias: Any,
                       config: Config | None, previous_event: Event | None) -> tuple[Any, ...]:

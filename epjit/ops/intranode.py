@@ -254,7 +254,8 @@ class Intranode:
         new_handle = self._new_handle(ints, in_rank, in_rank_owner, record, num_rows, plan, buffer_id)
         if plan.kind == "torch":
             if async_finish:
-                streams.used_by_comm((*outs, *inputs, *(layout.keep if layout is not None else ())))
+                streams.used_by_comm((*outs, inputs.x, inputs.x_scales, inputs.topk_idx, inputs.topk_weights,
+                                      *(layout.keep if layout is not None else ())))
         elif plan.framework != "cupy":  # CuPy callers take the CuPy arrays as they are (FP8 stays uint8 storage)
             outs = _hand_over(outs, plan.framework, caller, plan.fp8)
         result = DispatchResult(outs[0], outs[1], outs[2], outs[3], per_expert_counts, new_handle, event)
@@ -378,9 +379,12 @@ class Intranode:
         streams.begin(caller, previous_event)
         out = plan.new_out()
         out_w = plan.new_out_weights() if plan.new_out_weights is not None else None
-        args = plan.args.set(y=address(inputs.y), y_topk_weights=address(inputs.topk_weights),
-                             bias0=address(inputs.bias0), bias1=address(inputs.bias1), out_x=address(out),
-                             out_topk_weights=address(out_w), **self._handle_args(handle))
+        # (the optional arrays' None read inline: a call here costs the host more than the test)
+        w, bias0, bias1 = inputs.topk_weights, inputs.bias0, inputs.bias1
+        args = plan.args.set(y=address(inputs.y), y_topk_weights=0 if w is None else address(w),
+                             bias0=0 if bias0 is None else address(bias0), bias1=0 if bias1 is None else address(bias1),
+                             out_x=address(out), out_topk_weights=0 if out_w is None else address(out_w),
+                             **self._handle_args(handle))
         if profile.enabled:
             profile.start()
             profile.mark("validated", streams.comm)
@@ -392,7 +396,7 @@ class Intranode:
         event = streams.finish(caller, async_finish)
         if plan.kind == "torch":
             if async_finish:
-                streams.used_by_comm((out, out_w, *inputs))
+                streams.used_by_comm((out, out_w, inputs.y, inputs.topk_weights, inputs.bias0, inputs.bias1))
         elif plan.framework != "cupy":
             out, out_w = _hand_over((out, out_w), plan.framework, caller, False)
         result = CombineResult(out, out_w, event)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -192,21 +192,24 @@ class LowLatencyCombineResult:
     hook: Callable[[], None] | None
 
 
-class DispatchInputs(NamedTuple):
-    """One low_latency_dispatch's arrays, as the kernels take them (epjit.arrays.kernel_array)."""
+@dataclass(slots=True)
+class DispatchInputs:
+    """One low_latency_dispatch's arrays, as the kernels take them (epjit.arrays.kernel_array); refilled by each
+    call and read during that call only, as epjit.ops.normal's records are."""
 
-    x: Any
-    topk_idx: Any
-    cumulative_stats: Any  # or None
+    x: Any = None
+    topk_idx: Any = None
+    cumulative_stats: Any = None  # or None
 
 
-class CombineInputs(NamedTuple):
-    """One low_latency_combine's arrays, as the kernels take them."""
+@dataclass(slots=True)
+class CombineInputs:
+    """One low_latency_combine's arrays, as the kernels take them (refilled by each call)."""
 
-    y: Any
-    topk_idx: Any
-    topk_weights: Any
-    out: Any  # the caller's, or None: allocated by the call
+    y: Any = None
+    topk_idx: Any = None
+    topk_weights: Any = None
+    out: Any = None  # the caller's, or None: allocated by the call
 
 
 @dataclass(eq=False)
@@ -311,14 +314,16 @@ class LowLatency:
         meta = _Meta(owner, fw, address(owner), plan.meta_offsets, plan.meta_shape)
         ptrs = meta.ptrs
         args = plan.args.copy() if hook else plan.args
+        stats = inputs.cumulative_stats  # (the optional arrays' None read inline: a call costs more than the test)
         args.set(x=address(inputs.x), topk_idx=address(inputs.topk_idx), set=s,
                  phases=PHASE_SEND if hook else PHASE_SEND | PHASE_RECV, recv_x=address(recv_x),
-                 recv_scales=address(recv_scales), recv_src_info=ptrs[0], recv_topk_slot=ptrs[1],
-                 layout_range=ptrs[2], recv_count=ptrs[3], cumulative_stats=address(inputs.cumulative_stats))
+                 recv_scales=0 if recv_scales is None else address(recv_scales), recv_src_info=ptrs[0],
+                 recv_topk_slot=ptrs[1], layout_range=ptrs[2], recv_count=ptrs[3],
+                 cumulative_stats=0 if stats is None else address(stats))
         self._launch_dispatch(plan, args)
         event = streams.finish(caller, async_finish)
         if async_finish and plan.kind == "torch":
-            streams.used_by_comm((recv_x, recv_scales, owner, *inputs))
+            streams.used_by_comm((recv_x, recv_scales, owner, inputs.x, inputs.topk_idx, inputs.cumulative_stats))
         handle = LowLatencyHandle(self.num_max_tokens, self.hidden, self.num_experts, plan.num_topk, meta,
                                   buffer_id, [hook])
         run_hook = None
@@ -356,7 +361,7 @@ class LowLatency:
         """Send the expert outputs home and reduce them; with ``hook`` only the send half runs now."""
         s, caller = self._start("combine", plan.framework)
         fw, streams = plan.framework, self.streams
-        y, idx, w, out = inputs
+        y, idx, w, out = inputs.y, inputs.topk_idx, inputs.topk_weights, inputs.out
         if out is None:
             out = plan.new_out()
         ptrs = handle.meta.ptrs

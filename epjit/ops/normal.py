@@ -96,22 +96,27 @@ class CombineResult:
     event: Event
 
 
-class DispatchInputs(NamedTuple):
-    """One dispatch's arrays, as the kernels take them (kept referenced while the kernels may read them)."""
+@dataclass(slots=True)
+class DispatchInputs:
+    """One dispatch's arrays, as the kernels take them (kept referenced while the kernels may read them).
 
-    x: Any  # [N, H] bf16, or FP8 with x_scales
-    x_scales: Any  # [N, H/128] float32, or None
-    topk_idx: Any  # or None
-    topk_weights: Any  # or None
+    The inputs records of every family are refilled by each call and read during that call only (as a plan's
+    kernel arguments are): a front owns one of each, so a call allocates no record."""
+
+    x: Any = None  # [N, H] bf16, or FP8 with x_scales
+    x_scales: Any = None  # [N, H/128] float32, or None
+    topk_idx: Any = None  # or None
+    topk_weights: Any = None  # or None
 
 
-class CombineInputs(NamedTuple):
-    """One combine's arrays, as the kernels take them."""
+@dataclass(slots=True)
+class CombineInputs:
+    """One combine's arrays, as the kernels take them (refilled by each call, as DispatchInputs)."""
 
-    y: Any
-    topk_weights: Any  # or None
-    bias0: Any  # or None
-    bias1: Any  # or None
+    y: Any = None
+    topk_weights: Any = None  # or None
+    bias0: Any = None  # or None
+    bias1: Any = None  # or None
 
 
 class LayoutInputs(NamedTuple):
