@@ -4,8 +4,9 @@ writes the expert outputs back into per-(token, k) slots at home and reduces the
 (cuda_src/low_latency.cu, docs/layouts.md).
 
 This module owns the family's protocol constants and status bits, the status words the kernels report through,
-the two buffer sets and their receive hooks, the outputs and the launches. Validation is the Buffer's: what reaches
-here is a plan (what one shape of a call needs, built once) and the call's arrays.
+the two buffer sets and their receive hooks, the outputs and the launches. Validation is the front's
+(epjit.front.low_latency): what reaches here is a plan (what one shape of a call needs, built once) and the call's
+inputs record.
 
 Status words (``host_status``, mapped host memory written by the kernels only): word 0 counts the reports and is
 released after the counts; word 1 + b counts the calls that raised status bit b. The host remembers what it has
@@ -278,7 +279,7 @@ class LowLatency:
 
     def dispatch_plan(self, framework: str, num_tokens: int, num_topk: int, use_fp8: bool, round_scale: bool,
                       use_ue8m0: bool) -> DispatchPlan:
-        """What a dispatch of this shape needs (its arguments already checked by the Buffer)."""
+        """What a dispatch of this shape needs (its arguments already checked by the front)."""
         local, rows, hidden = self.num_experts // self.num_ranks, self.num_ranks * self.num_max_tokens, self.hidden
         flags = (FLAG_FP8 if use_fp8 else 0) | (FLAG_ROUND_SCALE if round_scale else 0) | \
             (FLAG_UE8M0 if use_ue8m0 else 0)
