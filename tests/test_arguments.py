@@ -13,6 +13,9 @@ import pytest
 
 from epjit import ArgumentError, ArgumentTypeError, Buffer, Config
 from epjit.errors import check_flag, check_int, set_rank
+from epjit.front.common import Plans
+from epjit.front.low_latency import LowLatencyFront
+from epjit.front.normal import IntranodeFront
 from epjit.launch import launch
 
 NOT_INTS = ["8", 8.0, 8.5, None, True, np.True_, np.float32(8), np.array(8.0), np.array([8]), np.array(True), [8],
@@ -91,13 +94,20 @@ class _Plans(dict):
 
 
 def _hollow(num_ranks: int = 2) -> Buffer:
-    """A Buffer object with nothing behind it: a call that gets past its argument checks to a plan, a kernel or the
+    """A Buffer object with nothing behind it: its fronts have no GPU, memory or kernels, and a plan cache that
+    stops the call at its first look-up; a call that gets past its argument checks to a plan, a kernel or the
     memory fails otherwise (_Looked, or AttributeError)."""
     buf = object.__new__(Buffer)
-    buf._closed, buf._plans, buf._device, buf.num_ranks = False, _Plans(), 0, num_ranks
-    buf._normal_ops = SimpleNamespace(check_pending=lambda capturing: None)
-    buf._ll = SimpleNamespace(raise_status=lambda: None)
-    buf.num_max_dispatch_tokens_per_rank, buf.hidden, buf.num_experts = 8, 256, 64
+    buf._closed = False
+    res = SimpleNamespace(num_max_dispatch_tokens_per_rank=8, hidden=256, num_experts=64)
+    normal = object.__new__(IntranodeFront)
+    normal.res, normal.plans, normal.device, normal.buffer_id = res, _Plans(), 0, id(buf)
+    normal.num_ranks, normal.num_nvl_ranks, normal.num_experts = num_ranks, num_ranks, 64
+    normal.ops = SimpleNamespace(check_pending=lambda capturing: None)
+    low_latency = object.__new__(LowLatencyFront)
+    low_latency.res, low_latency.plans, low_latency.device, low_latency.buffer_id = res, _Plans(), 0, id(buf)
+    low_latency.num_ranks, low_latency.ops = num_ranks, SimpleNamespace(raise_status=lambda: None)
+    buf._normal, buf._low_latency = normal, low_latency
     return buf
 
 
@@ -151,7 +161,7 @@ def test_low_latency_dispatch_keys_ints_and_refuses_flags_given_as_text():
         _hollow().low_latency_dispatch(None, None, np.int64(8), np.array(64))
     assert e.value.key[4:6] == (8, 64) and {type(v) for v in e.value.key[4:6]} == {int}
     buf = _hollow()
-    buf._plans = {}  # "False" is in the key as given: it finds no plan, and the plan's checks refuse it
+    buf._low_latency.plans = Plans()  # "False" is in the key as given: it finds no plan, and its checks refuse it
     for flag in ("use_fp8", "round_scale", "use_ue8m0"):
         with pytest.raises(ArgumentTypeError, match=rf"^{flag} must be True or False, got 'False'$"):
             buf.low_latency_dispatch(None, None, 8, 64, **{flag: "False"})
@@ -163,9 +173,10 @@ def test_clean_low_latency_buffer_refuses_sizes_that_are_not_ints():
         with pytest.raises(ArgumentTypeError, match=rf"^{name} must be an int >= 1, got {value!r}$"):
             buf.clean_low_latency_buffer(**{name: value})  # 256.0 == 256: it would have been taken
     cleaned = []
-    buf.mem, buf.comm_stream = SimpleNamespace(synchronize=lambda stream: None), None
-    buf.group = SimpleNamespace(barrier=lambda: None)
-    buf._ll = SimpleNamespace(clean=lambda: cleaned.append(True))
+    res = buf._low_latency.res
+    res.mem, res.streams = SimpleNamespace(synchronize=lambda stream: None), SimpleNamespace(comm=None)
+    res.group = SimpleNamespace(barrier=lambda: None)
+    buf._low_latency.ops = SimpleNamespace(clean=lambda: cleaned.append(True))
     buf.clean_low_latency_buffer(np.int64(8), np.array(256), 64)
     assert cleaned == [True]
     with pytest.raises(ArgumentError, match=r"clean_low_latency_buffer\(8, 128, None\): this Buffer was made for"):

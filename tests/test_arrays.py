@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from epjit import arrays, errors
-from epjit.arrays import ArrayInfo, check, check_same_framework, describe, from_cupy, to_cupy
+from epjit.arrays import ArrayInfo, check, check_same_framework, describe, dlpack, from_cupy, meta, to_cupy, validate
 from epjit.errors import ArgumentError, ArgumentTypeError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -280,7 +280,7 @@ def test_default_device_requirement_is_a_cuda_device():
 def test_wrong_gpu_message(monkeypatch, rank3):
     # No GPU here: feed check() the metadata a CuPy array on cuda:1 would have.
     on_gpu1 = ArrayInfo("cupy", "bfloat16", (4, 8), (8, 1), ("cuda", 1), True)
-    monkeypatch.setattr(arrays, "describe", lambda obj, name: on_gpu1)
+    monkeypatch.setattr(validate, "describe", lambda obj, name: on_gpu1)
     with pytest.raises(ArgumentTypeError) as exc:
         check(object(), "x", dtype="bfloat16", device=0)
     assert str(exc.value) == "x is on cuda:1 but this rank's GPU is cuda:0 (rank 3)"
@@ -308,7 +308,7 @@ def test_same_framework_returns_it_and_skips_missing():
 
 def test_mixed_frameworks_message(monkeypatch, rank3):
     frameworks = {"x": "torch", "topk_idx": "jax"}
-    monkeypatch.setattr(arrays, "_framework", lambda obj, name: frameworks[name])
+    monkeypatch.setattr(validate, "_framework", lambda obj, name: frameworks[name])
     with pytest.raises(ArgumentTypeError) as exc:
         check_same_framework([("x", object()), ("topk_idx", object())])
     assert str(exc.value) == (
@@ -378,7 +378,7 @@ def test_from_cupy_names_bad_frameworks():
 
 def test_from_cupy_refuses_gpu_memory_for_numpy(monkeypatch):
     on_gpu = ArrayInfo("cupy", "float32", (4,), (1,), ("cuda", 0), True)
-    monkeypatch.setattr(arrays, "describe", lambda obj, name: on_gpu)
+    monkeypatch.setattr(dlpack, "describe", lambda obj, name: on_gpu)
     with pytest.raises(ArgumentTypeError, match=r"recv_x is GPU memory \(a CuPy array on cuda:0\).*asnumpy"):
         from_cupy(object(), "numpy", name="recv_x")
 
@@ -403,7 +403,7 @@ def test_retyped_capsule_is_a_view_with_the_new_type(legacy):
     # the CPU: uint8 storage retyped as kDLInt (0) must come back as an int8 view of the same bytes.
     storage = np.array([[200, 3, 129], [7, 255, 64]], dtype=np.uint8)
     source = _Legacy(storage) if legacy else storage
-    out = np.from_dlpack(arrays._Retyped(source, 0, "x"))
+    out = np.from_dlpack(dlpack._Retyped(source, 0, "x"))
     assert out.dtype == np.int8
     assert out.shape == (2, 3)
     assert np.shares_memory(out, storage)
@@ -413,11 +413,11 @@ def test_retyped_capsule_is_a_view_with_the_new_type(legacy):
 
 def test_retyping_refuses_wider_types_and_consumed_capsules():
     with pytest.raises(ArgumentTypeError, match="^x: expected an 8-bit DLPack tensor, got code 2 with 32 bits$"):
-        np.from_dlpack(arrays._Retyped(np.ones(4, np.float32), 1, "x"))
+        np.from_dlpack(dlpack._Retyped(np.ones(4, np.float32), 1, "x"))
     capsule = np.ones(4, np.uint8).__dlpack__()
     with pytest.raises(ArgumentTypeError, match="no unconsumed DLPack capsule"):
-        arrays._retype_capsule(object(), 1, "x")
-    arrays._retype_capsule(capsule, 0, "x")  # an unconsumed capsule is accepted
+        dlpack._retype_capsule(object(), 1, "x")
+    dlpack._retype_capsule(capsule, 0, "x")  # an unconsumed capsule is accepted
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -538,7 +538,7 @@ def test_fingerprints_tell_apart_everything_a_check_judges(monkeypatch):
     import types
 
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(Tensor=_FakeTensor))
-    monkeypatch.setattr(arrays, "_TORCH_TENSOR", None)
+    monkeypatch.setattr(meta, "_TORCH_TENSOR", None)
     fp = arrays.fingerprint
     base = fp(_FakeTensor("bfloat16", (128, 7168)))
     assert base is not None and base == fp(_FakeTensor("bfloat16", (128, 7168)))

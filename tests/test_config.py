@@ -27,7 +27,7 @@ from epjit.kernels.intranode import (
     intranode_spec,
     normal_grid,
 )
-from epjit.ops import intranode as ops
+from epjit.ops import notify as ops
 
 CUDA_SRC = cuda_sources()
 
@@ -176,7 +176,7 @@ def test_size_formula_matches_the_device_layout_regions():
 
 def test_notify_meta_and_status_mirror_the_kernel():
     """The host reads notify's meta and status words with the layout and bits intranode.cuh and status.cuh define
-    (the family's public protocol constants, epjit.ops.intranode)."""
+    (the normal-mode families' public protocol constants, epjit.ops.notify)."""
     header, source = (CUDA_SRC / "intranode.cuh").read_text(), (CUDA_SRC / "status.cuh").read_text()
     assert f"kMetaInts = {META_INTS};" in header and f"kMetaCompared = {META_COMPARED};" in header
     for name, value in (("kStatusMetaMismatch", ops.STATUS_META_MISMATCH),

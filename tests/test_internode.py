@@ -13,8 +13,9 @@ import epjit
 from epjit.config import check_internode_need, check_normal_sizes, internode_config, rdma_size_hint
 from epjit.errors import ArgumentError
 from epjit.kernels import internode as k
+from epjit.kernels import intranode as intranode_kernels
 from epjit.kernels.internode import InternodeSpec, config_problems, internode_spec
-from epjit.ops import intranode as ops
+from epjit.ops import notify as ops
 from epjit.ops.internode import HANDLE_INTS, config_tag, forwarded_at
 
 from .test_jit import CUDA_SRC
@@ -33,7 +34,7 @@ def test_layout_constants_mirror_the_header():
     assert _constant("kMaxNodes") == k.MAX_NODES
     assert _constant("kMaxInternodeChannels") == k.MAX_INTERNODE_CHANNELS
     assert _constant("kChunkFlags") == k.CHUNK_FLAGS
-    assert _constant("kInternodeMetaInts") == k.META_INTS == ops.META_INTS
+    assert _constant("kInternodeMetaInts") == k.META_INTS == intranode_kernels.META_INTS
     assert f"sizeof(RdmaRing) == {k.RDMA_RING_BYTES}" in HEADER and f"sizeof(NvlRing) == {k.NVL_RING_BYTES}" in HEADER
     # RdmaRing: kChunkFlags flags and four words; NvlRing: two words and kMaxNodes tails and heads.
     assert k.RDMA_RING_BYTES == 8 * (k.CHUNK_FLAGS + 4) and k.NVL_RING_BYTES == 8 * (2 + 2 * k.MAX_NODES)

@@ -1,5 +1,5 @@
 """What the host makes of notify's words (no GPU): the rows it allocates before the counts are known, and the
-errors it raises from the status, meta and totals notify publishes (epjit.ops.intranode's record layout), and
+errors it raises from the status, meta and totals notify publishes (epjit.ops.notify's record layout), and
 from the low-latency kernels' status words."""
 
 from __future__ import annotations
@@ -10,9 +10,14 @@ import numpy as np
 import pytest
 
 from epjit import ArgumentError, Buffer
+from epjit.front.common import Absent
+from epjit.front.low_latency import LowLatencyFront
+from epjit.front.normal import IntranodeFront
 from epjit.kernels.intranode import META_INTS
-from epjit.ops import intranode as ops
 from epjit.ops import low_latency as ll_ops
+from epjit.ops import notify as ops
+from epjit.ops.intranode import Intranode
+from epjit.ops.normal import DispatchHandle
 
 
 def _estimate(ranks: int, rates: list[float], num_tokens: int, rows: list[int] | None = None) -> int:
@@ -205,12 +210,14 @@ def test_a_refused_graph_replay_is_raised_by_the_next_look_once(monkeypatch):
 def _closable_with_refusal(monkeypatch: pytest.MonkeyPatch) -> tuple[Buffer, list[str], ops.HostRecords]:
     records = _records(monkeypatch)
     released: list[str] = []
-    intranode = object.__new__(ops.Intranode)  # only the host-record state: no group, no GPU
+    intranode = object.__new__(Intranode)  # only the host-record state: no group, no GPU
     intranode.records = records
+    normal = object.__new__(IntranodeFront)
+    normal.ops = intranode
     buf = object.__new__(Buffer)
-    buf._closed, buf._ll, buf._normal_ops, buf.comm_stream = False, None, intranode, None
+    buf._closed, buf._low_latency, buf._normal, buf.comm_stream = False, Absent("no low latency"), normal, None
     buf.mem = SimpleNamespace(synchronize=lambda stream: None, close=lambda: released.append("peer memory"))
-    monkeypatch.setattr(Buffer, "_caller_capturing", lambda self: False)
+    monkeypatch.setattr(IntranodeFront, "_caller_capturing", lambda self: False)
     _, event = _worst_call(records, ops.STATUS_WORST_TOO_SMALL)
     event.done = True
     return buf, released, records
@@ -239,7 +246,9 @@ def test_synchronize_and_close_raise_what_a_low_latency_kernel_found_once(monkey
     ll.num_experts, ll.num_max_tokens, ll.closed = 64, 8, False
     ll.host_status = SimpleNamespace(ints=status, close=lambda: released.append("ll"))
     ll.status_seen = np.zeros(1 + ll_ops.STATUS_BIT_COUNT, dtype=np.int32)
-    buf._ll = ll
+    low_latency = object.__new__(LowLatencyFront)
+    low_latency.ops = ll
+    buf._low_latency = low_latency
 
     def publish(bits: int) -> None:  # what a low-latency call's last block does (publish_status)
         for i in range(ll_ops.STATUS_BIT_COUNT):
@@ -288,7 +297,7 @@ def test_a_dispatch_handle_names_its_arrays_and_sizes():
             return self.n, rows
 
     plan = SimpleNamespace(num_tokens=1, hidden=2, num_topk=3, num_channels=4, num_experts=5)
-    handle = ops.DispatchHandle(tuple(_Part(i) for i in range(6)), 0, None, 7, 8, plan, 9)
+    handle = DispatchHandle(tuple(_Part(i) for i in range(6)), 0, None, 7, 8, plan, 9)
     assert (handle.num_tokens, handle.hidden, handle.num_topk, handle.num_channels, handle.num_experts) == (1, 2, 3,
                                                                                                            4, 5)
     names = ("rank_prefix_ints", "channel_prefix_ints", "recv_channel_offset_ints", "send_head_ints",
@@ -305,9 +314,9 @@ def test_a_replay_whose_handle_knows_its_rows_waits_for_no_record():
     from epjit.ops.internode import Internode
 
     plan = SimpleNamespace(num_tokens=1, hidden=2, num_topk=3, num_channels=4, num_experts=5)
-    known = ops.DispatchHandle((), 0, None, 77, 77, plan)
-    unknown = ops.DispatchHandle((), 0, None, -1, 128, plan)
-    assert ops.Intranode._replay_record(known) == [77]
-    assert ops.Intranode._replay_record(unknown) is None
-    assert ops.Intranode._replay_record(None) is None
+    known = DispatchHandle((), 0, None, 77, 77, plan)
+    unknown = DispatchHandle((), 0, None, -1, 128, plan)
+    assert Intranode._replay_record(known) == [77]
+    assert Intranode._replay_record(unknown) is None
+    assert Intranode._replay_record(None) is None
     assert Internode._replay_record(known) is None

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..arrays import address
 from ..config import Config
 from ..jit import Module
 from ..kernels.internode import (
@@ -30,19 +31,11 @@ from ..kernels.internode import (
     InternodeSpec,
     by_stores,
 )
+from ..kernels.intranode import META_INTS
 from ..memory import IpcHeap, PeerMemory
-from .intranode import (
-    META_INTS,
-    CombinePlan,
-    DispatchHandle,
-    DispatchPlan,
-    Intranode,
-    Ints,
-    LayoutInputs,
-    RowEstimate,
-    call_flags,
-    expert_counts_at,
-)
+from .intranode import Intranode
+from .normal import CombinePlan, DispatchHandle, DispatchPlan, DispatchShape, Ints, LayoutInputs
+from .notify import RowEstimate, expert_counts_at
 from .profile import Profile
 from .streams import Outputs, Streams
 
@@ -139,31 +132,23 @@ class Internode(Intranode):
 
     # ---------------------------------------------------------------------------------------------------- plans
 
-    def dispatch_plan(self, framework: str, kind: str, spec: InternodeSpec, config: Config, num_tokens: int,
-                      hidden: int, num_topk: int, fp8: bool, with_weights: bool, with_idx: bool, num_experts: int,
-                      num_worst_tokens: int, expert_alignment: int, cached: bool) -> DispatchPlan:
-        """What a dispatch of this shape needs (its arguments and config already checked by the Buffer)."""
-        num_scales = hidden // 128 if fp8 else 0
-        flags = call_flags(fp8, with_weights, with_idx, num_worst_tokens)
+    def dispatch_plan(self, shape: DispatchShape, spec: InternodeSpec, config: Config) -> DispatchPlan:
+        """What a dispatch of this shape needs (its arguments and config already checked by the front)."""
+        s = shape
         module = self.module(spec)
         channels, table = config.num_sms // 2, self.mem.table_ptr
         notify = self.notify_module.spec.args(
-            "internode_notify", peers=table, num_tokens=num_tokens, num_channels=channels, hidden=hidden,
-            num_topk=num_topk, num_experts=num_experts, expert_cap=self.expert_cap,
-            expert_alignment=expert_alignment, config_tag=config_tag(config), layout_fits=1)
+            "internode_notify", peers=table, num_tokens=s.num_tokens, num_channels=channels, hidden=s.hidden,
+            num_topk=s.num_topk, num_experts=s.num_experts, expert_cap=self.expert_cap,
+            expert_alignment=s.expert_alignment, config_tag=config_tag(config), layout_fits=1)
         dispatch = module.spec.args(
-            "internode_dispatch", peers=table, claims=self.claims[0], num_tokens=num_tokens, hidden=hidden,
-            num_scales=num_scales, num_topk=num_topk, num_experts=num_experts, expert_cap=self.expert_cap,
-            num_channels=channels, rdma_slots=config.rdma_chunk_recv, rdma_chunk=config.rdma_chunk_send,
-            nvl_slots=config.nvl_chunk_recv, num_worst_tokens=num_worst_tokens)
-        new_outputs = self._new_outputs(kind, hidden, num_scales, num_topk, fp8, with_idx, with_weights)
+            "internode_dispatch", peers=table, claims=self.claims[0], num_tokens=s.num_tokens, hidden=s.hidden,
+            num_scales=s.hidden // 128 if s.fp8 else 0, num_topk=s.num_topk, num_experts=s.num_experts,
+            expert_cap=self.expert_cap, num_channels=channels, rdma_slots=config.rdma_chunk_recv,
+            rdma_chunk=config.rdma_chunk_send, nvl_slots=config.nvl_chunk_recv, num_worst_tokens=s.num_worst_tokens)
         # num_channels: the Config's SMs, as intranode's (combine's configs are checked against it); the kernels
         # run num_sms / 2 channels of two blocks each.
-        return DispatchPlan(framework, kind, num_tokens, hidden, num_topk, num_scales, num_experts, fp8, with_idx,
-                            with_weights, num_worst_tokens, config.num_sms, flags, new_outputs,
-                            (hidden, num_scales, num_topk, num_topk),
-                            expert_counts_at(self.num_ranks, True) + (0 if cached else num_experts // self.num_ranks),
-                            notify, dispatch, module)
+        return self._plan(s, config.num_sms, notify, dispatch, module)
 
     def combine_plan(self, framework: str, kind: str, spec: InternodeSpec, config: Config, handle: DispatchHandle,
                      with_weights: bool) -> CombinePlan:
@@ -229,7 +214,7 @@ class Internode(Intranode):
 
     def _launch_dispatch(self, plan: DispatchPlan, grid: int, capacity: tuple[int, ...], ints: tuple[Ints, ...],
                          outs: tuple[Any, ...]) -> None:
-        comm, address, kind = self.streams.comm_ptr, self.outputs.address, plan.kind
+        comm = self.streams.comm_ptr
         p = {name: part.ptr for name, part in zip(HANDLE_INTS, ints, strict=True)}
         # A replay's counts are its handle's saved copy (another allocation than this call's arrays): notify reads
         # them and keeps no copy of its own.
@@ -243,8 +228,8 @@ class Internode(Intranode):
         dispatch = plan.dispatch_args.set(
             channel_prefix_matrix=p["channel_prefix_matrix"], rdma_channel_prefix=p["rdma_channel_prefix"],
             recv_rank_prefix=p["recv_rank_prefix"], fwd_node_prefix=p["fwd_node_prefix"], call_status=p["status"],
-            recv_x=address(kind, outs[0]), recv_x_scales=address(kind, outs[1]), recv_src_idx=p["recv_src_idx"],
-            recv_topk_idx=address(kind, outs[2]), recv_topk_weights=address(kind, outs[3]),
+            recv_x=address(outs[0]), recv_x_scales=address(outs[1]), recv_src_idx=p["recv_src_idx"],
+            recv_topk_idx=address(outs[2]), recv_topk_weights=address(outs[3]),
             recv_channel_offset=p["recv_channel_offset"], recv_channel_count=p["recv_channel_count"],
             send_rdma_head=p["send_rdma_head"], recv_rdma_channel=p["recv_rdma_channel"],
             send_nvl_head=p["send_nvl_head"])

@@ -1,37 +1,25 @@
 """Normal mode inside one NVLink node (cuda_src/intranode.cu): notify, dispatch through per-channel rings into
 exactly-sized outputs, and combine by the dispatch's receipts.
 
-This module owns the family's protocol constants and status bits, the host records notify fills (their pool, the
-record of CUDA-graph replays, and the worst-token calls not yet reported), the estimate that sizes outputs before
-the counts are known, the handles and results, and the launches. Validation is the Buffer's: what reaches here is
-a plan (what one shape of a call needs, built once) and the call's arrays.
-
-A notify host record (mapped host memory, int32; docs/layouts.md):
-
-    [0] rows this rank receives (-1 until notify writes it, last, with a system-scope release)
-    [1] status bits (0: accepted)
-    [2 .. 2 + 8R)  every rank's meta: hidden, num_experts, num_topk, flags, recv_capacity, 0, 0, 0
-    [.. + R)       rows each rank receives
-    [.. + E/R)     tokens received per local expert (rounded up to expert_alignment)
+This module owns the family's kernels and launches, its channel claims and the steps of a call; notify's host
+records and their status bits are epjit.ops.notify's, and the records that cross the boundary (inputs, plans,
+handle, results) epjit.ops.normal's, both shared with the internode family. Validation is the front's
+(epjit.front.normal): what reaches here is a plan (what one shape of a call needs, built once) and the call's
+inputs.
 """
 
 from __future__ import annotations
 
-import collections
 import math
-import operator
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
-
-import numpy as np
+from typing import Any
 
 from .. import jit
+from ..arrays import address
 from ..config import Config
-from ..errors import ArgumentError, EpjitError, with_rank
+from ..errors import EpjitError, with_rank
 from ..kernels.intranode import (
     CLAIMS_INTS,
-    META_INTS,
     NOTIFY_TIMELINE_POINTS,
     NUM_THREADS,
     TIMELINE_POINTS,
@@ -40,357 +28,30 @@ from ..kernels.intranode import (
     normal_grid,
 )
 from ..memory import MappedHostArray, PeerMemory
-from .layout import MadeLayout
 from .loader import load
+from .normal import (
+    CombineInputs,
+    CombinePlan,
+    CombineResult,
+    DispatchHandle,
+    DispatchInputs,
+    DispatchPlan,
+    DispatchResult,
+    DispatchShape,
+    Ints,
+    LayoutInputs,
+)
+from .notify import (
+    FLAG_CAPTURED,
+    STATUS_OVER_CAPACITY,
+    HostRecords,
+    RowEstimate,
+    call_flags,
+    expert_counts_at,
+    refusal,
+)
 from .profile import Profile
 from .streams import POISON_BYTE, Event, Outputs, Streams, caller_stream, is_capturing
-
-# Status bits of notify (kStatus* in cuda_src/status.cuh): why every rank refused a call.
-STATUS_META_MISMATCH, STATUS_WORST_TOO_SMALL, STATUS_LAYOUT_TOO_BIG, STATUS_INVALID_IDS = 1, 2, 4, 8
-STATUS_OVER_CAPACITY = 16  # some rank's rows do not fit the outputs allocated for them
-# Flags each rank announces in its meta (kFlag*), and meta bits a rank sets about itself (kMeta*).
-FLAG_FP8, FLAG_WEIGHTS, FLAG_TOPK, FLAG_WORST_TOKENS, FLAG_CAPTURED = 1, 2, 4, 8, 16
-META_INVALID_IDS, META_LAYOUT_TOO_BIG = 1 << 29, 1 << 30
-OWN_META_BITS = META_INVALID_IDS | META_LAYOUT_TOO_BIG | FLAG_WORST_TOKENS | FLAG_CAPTURED  # need not agree
-META_NAMES = ("hidden", "num_experts", "num_topk", "flags")  # the meta every rank must agree on, in order
-# Host records a dispatch after dispatch may leave in flight: each call gets its own, round robin, because a
-# worst-token dispatch does not wait for its record (it is read once the call's event is done) and the host runs
-# ahead of the GPU. A record comes round again only after the call that last wrote it has been reported, so a
-# later call can neither overwrite an unreported refusal nor take an earlier call's counts for its own; a host this
-# many calls ahead waits for the oldest.
-HOST_RECORDS = 64
-HOST_RECORD_BYTES = 4096  # a record's least size and its share of the pool (more experts: a record of its own)
-RATE_HISTORY = 32  # dispatches whose received rows per token size the next one's outputs (RowEstimate)
-
-
-def expert_counts_at(num_ranks: int, forwarded: bool = False) -> int:
-    """Where the host record's rows per local expert start: after [0] rows, [1] status, the metas and the totals
-    (and, across nodes, the tokens each rank forwards)."""
-    return 2 + (META_INTS + (2 if forwarded else 1)) * num_ranks
-
-
-def host_record_bytes(num_ranks: int, num_experts: int, forwarded: bool = False) -> int:
-    return max(4 * (expert_counts_at(num_ranks, forwarded) + num_experts // num_ranks), HOST_RECORD_BYTES)
-
-
-def call_flags(fp8: bool, with_weights: bool, with_idx: bool, num_worst_tokens: int) -> int:
-    """The flags a rank announces in its meta for a dispatch of this kind (kFlag*)."""
-    return (FLAG_FP8 if fp8 else 0) | (FLAG_WEIGHTS if with_weights else 0) | (FLAG_TOPK if with_idx else 0) | \
-        (FLAG_WORST_TOKENS if num_worst_tokens > 0 else 0)
-
-
-def describe_meta(name: str, value: int) -> str:
-    if name != "flags":
-        return str(value)
-    return "/".join([("FP8" if value & FLAG_FP8 else "bf16"), ("weights" if value & FLAG_WEIGHTS else "no weights"),
-                     ("topk_idx" if value & FLAG_TOPK else "no topk_idx")])
-
-
-def refusal(ints: np.ndarray, num_ranks: int, num_nvl_bytes: int, num_worst_tokens: int,
-            replayed: bool = False, forwarded: bool = False) -> ArgumentError | None:
-    """What a notify record says was refused, as the error to raise (None when its status is 0). ``forwarded``: an
-    internode record, whose metas also carry the forwarded-token capacity and a config tag, and whose totals are
-    followed by the tokens each rank forwards."""
-    status = int(ints[1])
-    if status == 0:
-        return None
-    r = num_ranks
-    meta = ints[2:2 + META_INTS * r].reshape(r, META_INTS).copy()
-    totals = ints[2 + META_INTS * r:2 + (META_INTS + 1) * r].copy()
-    problems = []
-    if status & STATUS_LAYOUT_TOO_BIG:
-        buffers = "num_nvl_bytes / num_rdma_bytes" if forwarded else f"num_nvl_bytes={num_nvl_bytes}"
-        problems.append(f"the call's rings do not fit {buffers} on some rank (a larger Buffer or a smaller Config: "
-                        "chunk sizes / num_sms)")
-    if status & STATUS_INVALID_IDS:
-        ranks = [i for i in range(r) if meta[i, 3] & META_INVALID_IDS]
-        problems.append(f"topk_idx has entries outside [-1, num_experts={int(meta[ranks[0], 1])}) on rank(s) "
-                        f"{', '.join(map(str, ranks))}")
-    if status & STATUS_META_MISMATCH:
-        compared = list(enumerate(META_NAMES)) + ([(7, "config")] if forwarded else [])
-        for j, name in compared:
-            column = meta[:, j] & ~OWN_META_BITS if name == "flags" else meta[:, j]
-            if len(set(column.tolist())) > 1:
-                values = ", ".join(f"rank {i}: {describe_meta(name, int(v))}" for i, v in enumerate(column))
-                problems.append(f"{name} differs across ranks: {values}")
-    capacities = [("rows received", totals, 4)]
-    if forwarded:
-        capacities.append(("tokens forwarded", ints[2 + (META_INTS + 1) * r:2 + (META_INTS + 2) * r].copy(), 5))
-    if status & STATUS_WORST_TOO_SMALL:
-        for what, counts, column in capacities:
-            values = ", ".join(f"rank {i}: {int(v)} for {int(meta[i, column])}" for i, v in enumerate(counts)
-                               if meta[i, 3] & FLAG_WORST_TOKENS and v > meta[i, column])
-            if values:
-                problems.append(f"num_worst_tokens={num_worst_tokens} is too small for what arrives ({what} for "
-                                f"num_worst_tokens: {values})")
-    if status & STATUS_OVER_CAPACITY and not problems:
-        values = "; ".join(f"{what}: " + ", ".join(f"rank {i}: {int(v)} for {int(meta[i, column])}"
-                                                   for i, v in enumerate(counts) if meta[i, column] < v)
-                           for what, counts, column in capacities if (meta[:, column] < counts).any())
-        problems.append(f"the routing does not match the handle's ({values})")
-    what = "a dispatch replayed from a CUDA graph was" if replayed else "dispatch"
-    return ArgumentError(with_rank(f"{what} refused on every rank: " + "; ".join(problems)))
-
-
-class _Pending(NamedTuple):
-    call: int
-    event: Any  # a cupy.cuda.Event recorded on the communication stream after the call
-    record: MappedHostArray
-    num_worst_tokens: int
-
-
-class HostRecords:
-    """The mapped host records notify fills: a pool of HOST_RECORDS taken round robin, the record of every dispatch
-    captured in a CUDA graph (replays write it whenever they run; the host reads it only when its status is set),
-    and the worst-token calls whose record is not read yet, oldest first."""
-
-    def __init__(self, rank: int, num_ranks: int, num_nvl_bytes: int, graph_experts: int,
-                 raise_for: Callable[[BaseException], None], forwarded: bool = False) -> None:
-        self.rank, self.num_ranks, self.num_nvl_bytes = rank, num_ranks, num_nvl_bytes
-        self.forwarded = forwarded  # internode records (refusal's forwarded)
-        self.raise_for = raise_for  # turns a CUDA error met while waiting into the error to raise
-        self.records: list[MappedHostArray | None] = [None] * HOST_RECORDS
-        self.calls = [-1] * HOST_RECORDS  # the dispatch (numbered from 0) that last used each record
-        self.num_calls = 0
-        self.pending: collections.deque[_Pending] = collections.deque()
-        self.pool: MappedHostArray | None = None
-        # Made now: pinned memory cannot be allocated during a capture. One cudaHostAlloc for the pool.
-        self.graph = MappedHostArray(host_record_bytes(num_ranks, max(graph_experts, 4096), forwarded))
-        try:
-            self.pool = MappedHostArray(HOST_RECORDS * HOST_RECORD_BYTES)
-        except BaseException:
-            self.graph.close()
-            raise
-        self.records[:] = self.pool.parts(HOST_RECORD_BYTES)
-
-    def take(self, num_experts: int, captured: bool) -> tuple[MappedHostArray, int]:
-        """The record notify fills for this dispatch, and the call's number (-1 for a captured one)."""
-        need = host_record_bytes(self.num_ranks, num_experts, self.forwarded)
-        if captured:
-            if need > self.graph.num_bytes:
-                raise ArgumentError(with_rank(f"a dispatch captured in a CUDA graph takes up to 4096 experts (or the "
-                                              f"Buffer's num_experts), got {num_experts}"))
-            return self.graph, -1
-        call, i = self.num_calls, self.num_calls % HOST_RECORDS
-        self.num_calls += 1
-        while self.pending and self.pending[0].call <= self.calls[i]:
-            self.report_oldest()  # the record's last writer first (waiting for it, if the host ran this far ahead)
-        self.calls[i] = call
-        record = self.records[i]
-        if record is None or record.num_bytes < need:
-            if record is not None:
-                record.close()  # its call is over: it waited for its counts, or was just reported
-            record = self.records[i] = MappedHostArray(need)
-        return record, call
-
-    def add_pending(self, call: int, event: Any, record: MappedHostArray, num_worst_tokens: int) -> None:
-        self.pending.append(_Pending(call, event, record, num_worst_tokens))
-
-    def check(self, capturing: Callable[[], bool]) -> None:
-        """Raise what earlier worst-token dispatches' notify found, oldest first, for those their stream got past,
-        and what a replayed graph's notify refused since the last look (not while the caller captures a graph)."""
-        graph = self.graph
-        graph_refused = graph.ints[1] != 0
-        if not (self.pending or graph_refused) or capturing():  # the common case asks the stream nothing
-            return
-        while self.pending and self.pending[0].event.done:
-            self.report_oldest()
-        if graph_refused:
-            seen = graph.ints.copy()
-            graph.ints[1] = 0
-            me = self.rank % self.num_ranks
-            error = refusal(seen, self.num_ranks, self.num_nvl_bytes, int(seen[2 + META_INTS * me + 4]), True,
-                            self.forwarded)
-            if error is not None:
-                raise error
-
-    def report_oldest(self) -> None:
-        """Wait for the oldest unreported worst-token dispatch and raise what its notify found (once)."""
-        pending = self.pending.popleft()
-        try:
-            pending.event.synchronize()
-        except Exception as e:
-            if type(e).__name__ == "CUDARuntimeError":  # a kernel trapped (a timed-out wait): say what it waited for
-                self.raise_for(e)
-            raise
-        error = refusal(pending.record.ints, self.num_ranks, self.num_nvl_bytes, pending.num_worst_tokens,
-                        forwarded=self.forwarded)
-        if error is not None:
-            raise error
-
-    def close(self) -> None:
-        for record in (*self.records, self.graph, self.pool):
-            if record is not None:
-                record.close()  # a pooled record's does nothing; the pool's, last, frees them all
-
-
-class RowEstimate:
-    """Rows of dispatch output to allocate before the counts are known: R x N the first time (every token to every
-    rank; more arrive only when other ranks send more tokens than this one), then the most rows per token of the
-    last RATE_HISTORY calls, times N, plus 1/16 and 128 rows. The most, not the last: one Buffer serves every MoE
-    layer of a model, each with its own routing balance, and a call that does not fit costs a second notify (notify
-    stops it on every rank and it runs again with the exact rows).
-
-    At most twice the most rows of those calls, plus 128: what a rank receives is what the others send, so a call
-    in which this rank sent 1 token and received 1,000 rows (a rate of 1,000) says nothing about a call of 512
-    tokens, for which the rate alone would allocate half a million rows (gigabytes at hidden 4096). A call that
-    outgrows the bound twofold (a prefill after decode steps) runs twice once, and is part of the bound after."""
-
-    def __init__(self, num_ranks: int) -> None:
-        self.num_ranks = num_ranks
-        self.rates: collections.deque[float] = collections.deque(maxlen=RATE_HISTORY)
-        self.recent_rows: collections.deque[int] = collections.deque(maxlen=RATE_HISTORY)
-        self.retries = 0  # dispatches run again because their outputs were too small (tests read it)
-
-    def rows(self, num_tokens: int) -> int:
-        if not self.recent_rows:
-            return self.num_ranks * num_tokens
-        by_rate = int(max(self.rates, default=0.0) * num_tokens * 17 / 16) + 128
-        return min(by_rate, 2 * max(self.recent_rows) + 128)
-
-    def saw(self, num_tokens: int, num_rows: int) -> None:
-        self.recent_rows.append(num_rows)
-        if num_tokens > 0:
-            self.rates.append(num_rows / num_tokens)
-
-
-class Ints(NamedTuple):
-    """An int32 array inside a larger CuPy allocation (dispatch makes one a call for all of them): the address the
-    kernels take, and the owner that keeps the memory alive. Its CuPy view is made only when someone asks."""
-
-    owner: Any  # 1-D int32 CuPy array
-    offset: int  # in elements
-    shape: tuple[int, ...]
-    ptr: int
-
-    def view(self, rows: int | None = None) -> Any:
-        shape = self.shape if rows is None else (rows, *self.shape[1:])
-        n = math.prod(shape)
-        return self.owner[self.offset:self.offset + n].reshape(shape)
-
-
-@dataclass(eq=False, slots=True)
-class DispatchHandle:
-    """Everything combine (and a cached dispatch) needs to replay a routing: the dispatch's int arrays (CuPy, on this
-    GPU, one allocation; their views are made when read), is_token_in_rank, the rows, and the dispatch's plan (its
-    sizes)."""
-
-    # rank_prefix_matrix [R, R] ([i, j] = tokens ranks 0..i send to rank j), channel_prefix_matrix [R, C] (tokens of
-    # my channels 0..c bound for rank r), recv_channel_offset [R, C] (first received row of (source rank, channel)),
-    # send_head [N, R] (ring index token t took towards r, or -(next index)-1), recv_src_idx [rows or more] (source
-    # token index of each received row), and the status word [1]: what notify found (0: nothing); the dispatch and
-    # every combine of this handle do nothing unless 0, so a handle from a refused worst-token dispatch, used before
-    # the refusal is raised, cannot send garbage receipts.
-    ints: tuple[Ints, ...] = field(repr=False)
-    in_rank_ptr: int = field(repr=False)  # is_token_in_rank [N, R] bool that the dispatch read
-    in_rank_owner: Any = field(repr=False)  # what keeps it alive: the layout's allocation or the caller's array
-    num_recv_tokens: int  # -1 when unknown to the host (worst-token mode)
-    num_rows: int  # rows of the dispatched arrays
-    plan: DispatchPlan = field(repr=False)
-    buffer_id: int = field(default=0, repr=False)
-
-    # The dispatch's sizes, from its plan, and its int arrays by name.
-    num_tokens, hidden, num_topk, num_channels, num_experts = (
-        property(operator.attrgetter(f"plan.{name}")) for name in ("num_tokens", "hidden", "num_topk",
-                                                                   "num_channels", "num_experts"))
-    rank_prefix_ints, channel_prefix_ints, recv_channel_offset_ints, send_head_ints, recv_src_ints, status_ints = (
-        property(lambda self, i=i: self.ints[i]) for i in range(6))
-
-    # CuPy views, made when read (a dispatch's host time is what a small batch waits for).
-    rank_prefix_matrix, channel_prefix_matrix, recv_channel_offset, send_head = (
-        property(lambda self, i=i: self.ints[i].view()) for i in range(4))
-
-    @property
-    def recv_src_idx(self) -> Any:
-        return self.ints[4].view(self.num_rows)
-
-    @property
-    def is_token_in_rank(self) -> Any:
-        owner = self.in_rank_owner
-        if isinstance(owner, MadeLayout):
-            return owner.view(3)
-        return owner
-
-
-@dataclass(slots=True)
-class DispatchResult:
-    x: Any
-    x_scales: Any
-    topk_idx: Any
-    topk_weights: Any
-    num_recv_tokens_per_expert: list[int]
-    handle: DispatchHandle
-    event: Event
-
-
-@dataclass(slots=True)
-class CombineResult:
-    x: Any
-    topk_weights: Any
-    event: Event
-
-
-class DispatchInputs(NamedTuple):
-    """One dispatch's arrays (kept referenced while the kernels may read them) and their kernel arguments."""
-
-    x: Any  # the array, or the (x_fp8, scales) pair
-    x_arg: Any
-    scales_arg: Any
-    topk_idx: Any
-    idx_arg: Any
-    topk_weights: Any
-    weights_arg: Any
-
-
-class LayoutInputs(NamedTuple):
-    """A layout's kernel arguments (addresses or CuPy arrays) and what keeps is_token_in_rank alive."""
-
-    per_rank: Any
-    per_expert: Any
-    in_rank: Any
-    in_rank_owner: Any
-    invalid: int
-    keep: tuple[Any, ...]  # arrays an async torch call must mark as used on the communication stream
-    per_node: Any = 0  # num_tokens_per_rdma_rank, across nodes
-
-
-@dataclass(eq=False)
-class DispatchPlan:
-    """One shape of dispatch, validated: sizes, the outputs to allocate and both launches' constant arguments."""
-
-    framework: str
-    kind: str  # allocation kind (streams.Outputs)
-    num_tokens: int
-    hidden: int
-    num_topk: int
-    num_scales: int
-    num_experts: int
-    fp8: bool
-    with_idx: bool
-    with_weights: bool
-    num_worst_tokens: int
-    num_channels: int
-    flags: int
-    # allocators of recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights by rows (None: not an output)
-    new_outputs: tuple[Callable[[int], Any] | None, ...]
-    output_cols: tuple[int, ...]  # the outputs' columns, in the same order
-    record_ints: int  # the host record's head, totals and (without a handle) received tokens per local expert
-    notify_args: jit.KernelArgs
-    dispatch_args: jit.KernelArgs
-    module: jit.Module
-
-
-@dataclass(eq=False)
-class CombinePlan:
-    """One shape of combine, validated: its outputs' allocators, grid and constant arguments."""
-
-    framework: str
-    kind: str
-    new_out: Callable[[], Any]
-    new_out_weights: Callable[[], Any] | None  # None: the call combines no weights
-    grid: int
-    args: jit.KernelArgs
-    module: jit.Module
 
 
 class Intranode:
@@ -441,29 +102,35 @@ class Intranode:
 
     # ---------------------------------------------------------------------------------------------------- plans
 
-    def dispatch_plan(self, framework: str, kind: str, spec: IntranodeSpec, config: Config, num_tokens: int,
-                      hidden: int, num_topk: int, fp8: bool, with_weights: bool, with_idx: bool, num_experts: int,
-                      num_worst_tokens: int, expert_alignment: int, cached: bool) -> DispatchPlan:
-        """What a dispatch of this shape needs (its arguments already checked by the Buffer)."""
-        num_scales = hidden // 128 if fp8 else 0
-        flags = call_flags(fp8, with_weights, with_idx, num_worst_tokens)
+    def dispatch_plan(self, shape: DispatchShape, spec: IntranodeSpec, config: Config) -> DispatchPlan:
+        """What a dispatch of this shape needs (its arguments already checked by the front)."""
+        s = shape
+        num_scales = s.hidden // 128 if s.fp8 else 0
         module = self.module(spec)
         channels = config.num_channels
         table = self.mem.table_ptr
         notify = self.notify_module.spec.args(
-            "intranode_notify", peers=table, num_tokens=num_tokens, num_channels=channels,
-            num_slots=config.nvl_chunk_recv, hidden=hidden, num_topk=num_topk, num_scales=num_scales,
-            num_experts=num_experts, expert_alignment=expert_alignment, cached=int(cached))
+            "intranode_notify", peers=table, num_tokens=s.num_tokens, num_channels=channels,
+            num_slots=config.nvl_chunk_recv, hidden=s.hidden, num_topk=s.num_topk, num_scales=num_scales,
+            num_experts=s.num_experts, expert_alignment=s.expert_alignment, cached=int(s.replay))
         dispatch = module.spec.args(
-            "intranode_dispatch", peers=table, claims=self.claims[0], num_tokens=num_tokens, hidden=hidden,
-            x_row_int4=hidden * (1 if fp8 else 2) // 16, num_scales=num_scales, num_topk=num_topk,
-            num_experts=num_experts, num_channels=channels, num_slots=config.nvl_chunk_recv,
-            num_max_send_tokens=config.nvl_chunk_send, num_worst_tokens=num_worst_tokens)
-        new_outputs = self._new_outputs(kind, hidden, num_scales, num_topk, fp8, with_idx, with_weights)
-        return DispatchPlan(framework, kind, num_tokens, hidden, num_topk, num_scales, num_experts, fp8, with_idx,
-                            with_weights, num_worst_tokens, channels, flags, new_outputs,
-                            (hidden, num_scales, num_topk, num_topk),
-                            expert_counts_at(self.num_ranks) + (0 if cached else num_experts // self.num_ranks),
+            "intranode_dispatch", peers=table, claims=self.claims[0], num_tokens=s.num_tokens, hidden=s.hidden,
+            x_row_int4=s.hidden * (1 if s.fp8 else 2) // 16, num_scales=num_scales, num_topk=s.num_topk,
+            num_experts=s.num_experts, num_channels=channels, num_slots=config.nvl_chunk_recv,
+            num_max_send_tokens=config.nvl_chunk_send, num_worst_tokens=s.num_worst_tokens)
+        return self._plan(s, channels, notify, dispatch, module)
+
+    def _plan(self, s: DispatchShape, num_channels: int, notify: jit.KernelArgs, dispatch: jit.KernelArgs,
+              module: jit.Module) -> DispatchPlan:
+        """A dispatch plan of these launches' constant arguments: its flags, outputs and the record's length."""
+        num_scales = s.hidden // 128 if s.fp8 else 0
+        new_outputs = self._new_outputs(s.kind, s.hidden, num_scales, s.num_topk, s.fp8, s.with_idx, s.with_weights)
+        return DispatchPlan(s.framework, s.kind, s.num_tokens, s.hidden, s.num_topk, num_scales, s.num_experts, s.fp8,
+                            s.with_idx, s.with_weights, s.num_worst_tokens, num_channels,
+                            call_flags(s.fp8, s.with_weights, s.with_idx, s.num_worst_tokens), new_outputs,
+                            (s.hidden, num_scales, s.num_topk, s.num_topk),
+                            expert_counts_at(self.num_ranks, self.FORWARDED)
+                            + (0 if s.replay else s.num_experts // self.num_ranks),
                             notify, dispatch, module)
 
     def _new_outputs(self, kind: str, hidden: int, num_scales: int, num_topk: int, fp8: bool, with_idx: bool,
@@ -546,8 +213,8 @@ class Intranode:
         grid = normal_grid(plan.num_channels, self.num_device_sms)
         notify, dispatch = plan.notify_args, plan.dispatch_args
         notify.set(is_token_in_rank=in_rank, flags=flags, host_out=host.device_ptr, **counts)
-        dispatch.set(x=inputs.x_arg, x_scales=inputs.scales_arg, topk_idx=inputs.idx_arg,
-                     topk_weights=inputs.weights_arg, is_token_in_rank=in_rank)
+        dispatch.set(x=address(inputs.x), x_scales=address(inputs.x_scales), topk_idx=address(inputs.topk_idx),
+                     topk_weights=address(inputs.topk_weights), is_token_in_rank=in_rank)
         record: list[int] = []
         for attempt in range(2):
             ints = self._ints(plan, capacity, handle)
@@ -587,8 +254,7 @@ class Intranode:
         new_handle = self._new_handle(ints, in_rank, in_rank_owner, record, num_rows, plan, buffer_id)
         if plan.kind == "torch":
             if async_finish:
-                x = inputs.x if isinstance(inputs.x, (tuple, list)) else (inputs.x,)
-                streams.used_by_comm((*outs, *x, inputs.topk_idx, inputs.topk_weights,
+                streams.used_by_comm((*outs, inputs.x, inputs.x_scales, inputs.topk_idx, inputs.topk_weights,
                                       *(layout.keep if layout is not None else ())))
         elif plan.framework != "cupy":  # CuPy callers take the CuPy arrays as they are (FP8 stays uint8 storage)
             outs = _hand_over(outs, plan.framework, caller, plan.fp8)
@@ -642,7 +308,7 @@ class Intranode:
 
     def _launch_dispatch(self, plan: DispatchPlan, grid: int, capacity: tuple[int, ...], ints: tuple[Ints, ...],
                          outs: tuple[Any, ...]) -> None:
-        profile, comm, address, kind = self.profile, self.streams.comm_ptr, self.outputs.address, plan.kind
+        profile, comm = self.profile, self.streams.comm_ptr
         rank_prefix, channel_prefix, recv_channel_offset, send_head, recv_src, status = ints
         notify = plan.notify_args.set(
             recv_capacity=capacity[0], rank_prefix_matrix=rank_prefix.ptr, channel_prefix_matrix=channel_prefix.ptr,
@@ -651,8 +317,8 @@ class Intranode:
         profile.mark("notify", self.streams.comm)
         dispatch = plan.dispatch_args.set(
             channel_prefix_matrix=channel_prefix.ptr, rank_prefix_matrix=rank_prefix.ptr, call_status=status.ptr,
-            recv_x=address(kind, outs[0]), recv_x_scales=address(kind, outs[1]), recv_src_idx=recv_src.ptr,
-            recv_topk_idx=address(kind, outs[2]), recv_topk_weights=address(kind, outs[3]),
+            recv_x=address(outs[0]), recv_x_scales=address(outs[1]), recv_src_idx=recv_src.ptr,
+            recv_topk_idx=address(outs[2]), recv_topk_weights=address(outs[3]),
             recv_channel_offset=recv_channel_offset.ptr, send_head=send_head.ptr,
             timeline=profile.timeline("dispatch", grid, TIMELINE_POINTS))
         plan.module.launch(dispatch, grid, NUM_THREADS, stream=comm)
@@ -705,21 +371,20 @@ class Intranode:
 
     # ---------------------------------------------------------------------------------------------------- combine
 
-    def combine(self, plan: CombinePlan, handle: DispatchHandle, y: Any, y_arg: Any, weights: Any, weights_arg: Any,
-                biases: tuple[Any, ...], bias_args: tuple[Any, Any], previous_event: Event | None,
-                async_finish: bool) -> CombineResult:
+    def combine(self, plan: CombinePlan, inputs: CombineInputs, handle: DispatchHandle,
+                previous_event: Event | None, async_finish: bool) -> CombineResult:
         """For each original token, the sum of the rows the ranks send back for it (+ bias): dispatch's adjoint."""
-        profile, streams, torch_kind = self.profile, self.streams, plan.kind == "torch"
+        profile, streams = self.profile, self.streams
         caller = caller_stream(plan.framework, self.device)
         streams.begin(caller, previous_event)
         out = plan.new_out()
         out_w = plan.new_out_weights() if plan.new_out_weights is not None else None
-        if torch_kind:
-            out_ptr, out_w_ptr = out.data_ptr(), out_w.data_ptr() if out_w is not None else 0
-        else:
-            out_ptr, out_w_ptr = out.data.ptr, out_w.data.ptr if out_w is not None else 0
-        args = plan.args.set(y=y_arg, y_topk_weights=weights_arg, bias0=bias_args[0], bias1=bias_args[1],
-                             out_x=out_ptr, out_topk_weights=out_w_ptr, **self._handle_args(handle))
+        # (the optional arrays' None read inline: a call here costs the host more than the test)
+        w, bias0, bias1 = inputs.topk_weights, inputs.bias0, inputs.bias1
+        args = plan.args.set(y=address(inputs.y), y_topk_weights=0 if w is None else address(w),
+                             bias0=0 if bias0 is None else address(bias0), bias1=0 if bias1 is None else address(bias1),
+                             out_x=address(out), out_topk_weights=0 if out_w is None else address(out_w),
+                             **self._handle_args(handle))
         if profile.enabled:
             profile.start()
             profile.mark("validated", streams.comm)
@@ -729,9 +394,9 @@ class Intranode:
         if profile.enabled:
             profile.mark("combine", streams.comm)
         event = streams.finish(caller, async_finish)
-        if torch_kind:
+        if plan.kind == "torch":
             if async_finish:
-                streams.used_by_comm((out, out_w, y, weights, *biases))
+                streams.used_by_comm((out, out_w, inputs.y, inputs.topk_weights, inputs.bias0, inputs.bias1))
         elif plan.framework != "cupy":
             out, out_w = _hand_over((out, out_w), plan.framework, caller, False)
         result = CombineResult(out, out_w, event)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .. import jit
+from ..arrays import address
 from ..kernels import LayoutSpec
 from .loader import load
 from .streams import Event, Outputs, Streams, caller_stream
@@ -171,8 +172,8 @@ class Layout:
         return LayoutPlan(framework, kind, new_owner, num_tokens, num_experts, offsets,
                           offsets[3] if grid > 1 else 0, grid, 4 * (num_experts + self.num_ranks + nodes + 1), args)
 
-    def run(self, plan: LayoutPlan, idx: Any, idx_arg: Any, previous_event: Event | None,
-            async_finish: bool) -> DispatchLayout:
+    def run(self, plan: LayoutPlan, idx: Any, previous_event: Event | None, async_finish: bool) -> DispatchLayout:
+        """Count topk_idx (as the kernels take it: epjit.arrays.kernel_array) into a new layout."""
         caller = caller_stream(plan.framework, self.device)
         streams, kind, offsets = self.streams, plan.kind, plan.offsets
         # The layout kernel reads topk_idx and writes only this call's outputs, and touches no peer memory: where the
@@ -185,13 +186,13 @@ class Layout:
             streams.begin(caller, previous_event)
         stream = caller if on_caller else streams.comm_ptr
         owner = plan.new_owner()
-        base = owner.data_ptr() if kind == "torch" else owner.data.ptr
+        base = address(owner)
         nodes = self.num_nodes
         made = MadeLayout(owner, kind, plan.framework, plan.num_tokens, self.num_ranks, plan.num_experts, base,
                           base + offsets[1], base + offsets[2], base + offsets[3], nodes)
         if plan.counts_bytes:
             _memset_async()(base, 0, plan.counts_bytes, stream)
-        args = plan.args.set(topk_idx=idx_arg, num_tokens_per_rank=base, num_tokens_per_expert=made.per_expert_ptr,
+        args = plan.args.set(topk_idx=address(idx), num_tokens_per_rank=base, num_tokens_per_expert=made.per_expert_ptr,
                              num_tokens_per_rdma_rank=base + offsets[5] if nodes > 1 else 0,
                              is_token_in_rank=made.in_rank_ptr, invalid_ids=made.invalid_ptr)
         self.module.launch(args, plan.grid, _BLOCK, shared_mem=plan.shared_bytes, stream=stream)

@@ -4,8 +4,9 @@ writes the expert outputs back into per-(token, k) slots at home and reduces the
 (cuda_src/low_latency.cu, docs/layouts.md).
 
 This module owns the family's protocol constants and status bits, the status words the kernels report through,
-the two buffer sets and their receive hooks, the outputs and the launches. Validation is the Buffer's: what reaches
-here is a plan (what one shape of a call needs, built once) and the call's arrays.
+the two buffer sets and their receive hooks, the outputs and the launches. Validation is the front's
+(epjit.front.low_latency): what reaches here is a plan (what one shape of a call needs, built once) and the call's
+inputs record.
 
 Status words (``host_status``, mapped host memory written by the kernels only): word 0 counts the reports and is
 released after the counts; word 1 + b counts the calls that raised status bit b. The host remembers what it has
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .. import jit
+from ..arrays import address
 from ..errors import ArgumentError, EpjitError, with_rank
 from ..kernels.low_latency import (
     LOW_LATENCY_THREADS,
@@ -51,6 +53,11 @@ MAX_BLOCKS = 128
 
 _PHASE_SUFFIX = {PHASE_SEND: ".send", PHASE_RECV: ".recv", PHASE_SEND | PHASE_RECV: ""}
 _META_ALIGN = 64  # int32 elements: each part of a dispatch's metadata allocation starts 256-byte aligned
+
+
+def _kind(framework: str) -> str:
+    """Where a call's outputs come from (streams.Outputs): torch's allocator for torch callers, CuPy's pool else."""
+    return "torch" if framework == "torch" else "cupy"
 
 
 def _cupy() -> Any:
@@ -186,12 +193,32 @@ class LowLatencyCombineResult:
     hook: Callable[[], None] | None
 
 
+@dataclass(slots=True)
+class DispatchInputs:
+    """One low_latency_dispatch's arrays, as the kernels take them (epjit.arrays.kernel_array); refilled by each
+    call and read during that call only, as epjit.ops.normal's records are."""
+
+    x: Any = None
+    topk_idx: Any = None
+    cumulative_stats: Any = None  # or None
+
+
+@dataclass(slots=True)
+class CombineInputs:
+    """One low_latency_combine's arrays, as the kernels take them (refilled by each call)."""
+
+    y: Any = None
+    topk_idx: Any = None
+    topk_weights: Any = None
+    out: Any = None  # the caller's, or None: allocated by the call
+
+
 @dataclass(eq=False)
 class DispatchPlan:
     """One shape of low_latency_dispatch, validated: its outputs' allocators and the launch's constant arguments."""
 
     framework: str
-    torch: bool  # outputs from torch's allocator (addresses by data_ptr)
+    kind: str  # allocation kind (streams.Outputs): "torch" or "cupy"
     num_tokens: int
     num_topk: int
     fp8: bool
@@ -209,7 +236,7 @@ class CombinePlan:
     """One shape of low_latency_combine, validated."""
 
     framework: str
-    torch: bool
+    kind: str
     num_tokens: int
     new_out: Callable[[], Any]
     args: jit.KernelArgs
@@ -252,56 +279,52 @@ class LowLatency:
 
     def dispatch_plan(self, framework: str, num_tokens: int, num_topk: int, use_fp8: bool, round_scale: bool,
                       use_ue8m0: bool) -> DispatchPlan:
-        """What a dispatch of this shape needs (its arguments already checked by the Buffer)."""
+        """What a dispatch of this shape needs (its arguments already checked by the front)."""
         local, rows, hidden = self.num_experts // self.num_ranks, self.num_ranks * self.num_max_tokens, self.hidden
         flags = (FLAG_FP8 if use_fp8 else 0) | (FLAG_ROUND_SCALE if round_scale else 0) | \
             (FLAG_UE8M0 if use_ue8m0 else 0)
-        out = self.outputs
-        new_x = out.allocator(framework, (local, rows, hidden),
-                              out.dtype(framework, "float8_e4m3fn" if use_fp8 else "bfloat16"))
+        out, kind = self.outputs, _kind(framework)
+        new_x = out.allocator(kind, (local, rows, hidden), out.dtype(kind, "float8_e4m3fn" if use_fp8 else "bfloat16"))
         new_scales = None
         if use_fp8:
-            new_scales = out.allocator(framework, (local, rows, hidden // 128),
-                                       out.dtype(framework, "uint8" if use_ue8m0 else "float32"))
+            new_scales = out.allocator(kind, (local, rows, hidden // 128),
+                                       out.dtype(kind, "uint8" if use_ue8m0 else "float32"))
         offsets = meta_offsets(local, rows, self.num_ranks)
-        new_meta = out.allocator(framework, (offsets[-1],), out.dtype(framework, "int32"))
+        new_meta = out.allocator(kind, (offsets[-1],), out.dtype(kind, "int32"))
         args = self._common_args("ll_dispatch").set(num_tokens=num_tokens, num_topk=num_topk, flags=flags)
-        return DispatchPlan(framework, framework == "torch", num_tokens, num_topk, use_fp8, new_x, new_scales,
+        return DispatchPlan(framework, kind, num_tokens, num_topk, use_fp8, new_x, new_scales,
                             new_meta, offsets, (local, rows, self.num_ranks),
                             dispatch_shared_bytes(hidden, num_tokens, num_topk, self.num_experts, self.num_ranks),
                             args)
 
     def combine_plan(self, framework: str, num_tokens: int, num_topk: int) -> CombinePlan:
         args = self._common_args("ll_combine").set(num_tokens=num_tokens, num_topk=num_topk)
-        new_out = self.outputs.allocator(framework, (num_tokens, self.hidden), self.outputs.dtype(framework,
-                                                                                                  "bfloat16"))
-        return CombinePlan(framework, framework == "torch", num_tokens, new_out, args)
+        kind = _kind(framework)
+        new_out = self.outputs.allocator(kind, (num_tokens, self.hidden), self.outputs.dtype(kind, "bfloat16"))
+        return CombinePlan(framework, kind, num_tokens, new_out, args)
 
     # ---------------------------------------------------------------------------------------------------- calls
 
-    def dispatch(self, plan: DispatchPlan, buffer_id: int, x: Any, x_arg: Any, idx: Any, idx_arg: Any, stats: Any,
-                 stats_arg: Any, hook: bool, async_finish: bool) -> LowLatencyDispatchResult:
+    def dispatch(self, plan: DispatchPlan, inputs: DispatchInputs, buffer_id: int, hook: bool,
+                 async_finish: bool) -> LowLatencyDispatchResult:
         """Send each (token, chosen expert) to its slot; with ``hook`` only the send half runs now."""
         s, caller = self._start("dispatch", plan.framework)
         fw, streams = plan.framework, self.streams
         recv_x, owner = plan.new_x(), plan.new_meta()
         recv_scales = plan.new_scales() if plan.new_scales is not None else None
-        if plan.torch:
-            x_ptr, meta_ptr = recv_x.data_ptr(), owner.data_ptr()
-            scales_ptr = recv_scales.data_ptr() if recv_scales is not None else 0
-        else:
-            x_ptr, meta_ptr = recv_x.data.ptr, owner.data.ptr
-            scales_ptr = recv_scales.data.ptr if recv_scales is not None else 0
-        meta = _Meta(owner, fw, meta_ptr, plan.meta_offsets, plan.meta_shape)
+        meta = _Meta(owner, fw, address(owner), plan.meta_offsets, plan.meta_shape)
         ptrs = meta.ptrs
         args = plan.args.copy() if hook else plan.args
-        args.set(x=x_arg, topk_idx=idx_arg, set=s, phases=PHASE_SEND if hook else PHASE_SEND | PHASE_RECV,
-                 recv_x=x_ptr, recv_scales=scales_ptr, recv_src_info=ptrs[0], recv_topk_slot=ptrs[1],
-                 layout_range=ptrs[2], recv_count=ptrs[3], cumulative_stats=stats_arg)
+        stats = inputs.cumulative_stats  # (the optional arrays' None read inline: a call costs more than the test)
+        args.set(x=address(inputs.x), topk_idx=address(inputs.topk_idx), set=s,
+                 phases=PHASE_SEND if hook else PHASE_SEND | PHASE_RECV, recv_x=address(recv_x),
+                 recv_scales=0 if recv_scales is None else address(recv_scales), recv_src_info=ptrs[0],
+                 recv_topk_slot=ptrs[1], layout_range=ptrs[2], recv_count=ptrs[3],
+                 cumulative_stats=0 if stats is None else address(stats))
         self._launch_dispatch(plan, args)
         event = streams.finish(caller, async_finish)
-        if async_finish and plan.torch:
-            streams.used_by_comm((recv_x, recv_scales, owner, x, idx, stats))
+        if async_finish and plan.kind == "torch":
+            streams.used_by_comm((recv_x, recv_scales, owner, inputs.x, inputs.topk_idx, inputs.cumulative_stats))
         handle = LowLatencyHandle(self.num_max_tokens, self.hidden, self.num_experts, plan.num_topk, meta,
                                   buffer_id, [hook])
         run_hook = None
@@ -310,7 +333,7 @@ class LowLatency:
                 handle.pending[0] = False
 
             run_hook = self.hook(s, "dispatch", lambda: self._launch_dispatch(plan, args.set(phases=PHASE_RECV)),
-                                 fw, async_finish, (x, idx), done)
+                                 fw, async_finish, (inputs.x, inputs.topk_idx), done)
         if fw not in ("torch", "cupy"):
             from ..arrays import from_cupy
 
@@ -334,21 +357,22 @@ class LowLatency:
         self.module.launch(args, self.num_sms, LOW_LATENCY_THREADS, shared_mem=plan.shared_bytes,
                            stream=self.streams.comm_ptr)
 
-    def combine(self, plan: CombinePlan, handle: LowLatencyHandle, y: Any, y_arg: Any, idx: Any, idx_arg: Any,
-                w: Any, w_arg: Any, out: Any, out_arg: Any, hook: bool, async_finish: bool) -> LowLatencyCombineResult:
+    def combine(self, plan: CombinePlan, inputs: CombineInputs, handle: LowLatencyHandle, hook: bool,
+                async_finish: bool) -> LowLatencyCombineResult:
         """Send the expert outputs home and reduce them; with ``hook`` only the send half runs now."""
         s, caller = self._start("combine", plan.framework)
         fw, streams = plan.framework, self.streams
+        y, idx, w, out = inputs.y, inputs.topk_idx, inputs.topk_weights, inputs.out
         if out is None:
             out = plan.new_out()
-            out_arg = out.data_ptr() if plan.torch else out.data.ptr
         ptrs = handle.meta.ptrs
         args = plan.args.copy() if hook else plan.args
-        args.set(y=y_arg, src_info=ptrs[0], topk_slot=ptrs[1], layout_range=ptrs[2], topk_idx=idx_arg,
-                 topk_weights=w_arg, out=out_arg, set=s, phases=PHASE_SEND if hook else PHASE_SEND | PHASE_RECV)
+        args.set(y=address(y), src_info=ptrs[0], topk_slot=ptrs[1], layout_range=ptrs[2], topk_idx=address(idx),
+                 topk_weights=address(w), out=address(out), set=s,
+                 phases=PHASE_SEND if hook else PHASE_SEND | PHASE_RECV)
         self._launch_combine(args)
         event = streams.finish(caller, async_finish)
-        if async_finish and plan.torch:
+        if async_finish and plan.kind == "torch":
             streams.used_by_comm((out, y, idx, w))
         # The receive half reads topk_idx and topk_weights (by address): the hook holds them until it runs.
         run_hook = self.hook(s, "combine", lambda: self._launch_combine(args.set(phases=PHASE_RECV)), fw,

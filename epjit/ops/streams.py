@@ -216,9 +216,3 @@ class Outputs:
             if self.poison and out.size:
                 out.view(cupy.uint8).fill(POISON_BYTE)
         return out
-
-    @staticmethod
-    def address(kind: str, arr: Any) -> int:
-        if arr is None:
-            return 0
-        return arr.data_ptr() if kind == "torch" else arr.data.ptr

@@ -247,7 +247,7 @@ def main() -> int:
     torch.cuda.set_device(epjit_group.device)
     inner = buffer._normal  # the normal-mode epjit Buffer: which kernels its calls run, its heap
     result.update(num_nvl_ranks=epjit_group.num_nvl_ranks, rdma_bytes=inner.num_rdma_bytes,
-                  kernels=inner._spec_of(inner._dispatch_config).family)
+                  kernels=inner._normal._spec_of(inner._normal.dispatch_config).family)
     m, hidden, experts = ll_sizes(R)
     # A Buffer of its own (as vLLM and SGLang make): across nodes an epjit Buffer serves one mode, and deep_ep
     # makes this one's epjit Buffer low-latency only (num_nvl_bytes=0).

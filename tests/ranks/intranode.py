@@ -252,7 +252,7 @@ def check_barriers(buf, group, where: str, result: dict) -> None:
     bad = unbalanced_barriers(buf, group)
     if bad and "unbalanced" not in result:
         result["unbalanced"] = f"after {where}: {bad[:6]}"
-        print(f"[rank {group.rank}] barrier signals unbalanced after {where} ({buf._normal_ops.estimate.retries} "
+        print(f"[rank {group.rank}] barrier signals unbalanced after {where} ({buf._normal.ops.estimate.retries} "
               f"retries so far): {bad[:12]}", file=sys.stderr, flush=True)
 
 
@@ -279,9 +279,10 @@ def main() -> int:
     buf = normal_buffer(group)
     if args.warp_roles:  # what a call without a config gets: these roles, with the chunks a call of them gets
         roles = bench.parse_roles(args.warp_roles)
-        buf._dispatch_config = bench.case_config("dispatch", R, 24, 0, 256, roles)
-        buf._combine_config = bench.case_config("combine", R, 24, 0, 256, roles)
-    result: dict = {"rank": rank, "size": R, "cases": 0, "kernels": buf._spec_of(buf._dispatch_config).family,
+        buf._normal.dispatch_config = bench.case_config("dispatch", R, 24, 0, 256, roles)
+        buf._normal.combine_config = bench.case_config("combine", R, 24, 0, 256, roles)
+    normal = buf._normal  # the normal-mode front: its default configs and their kernels
+    result: dict = {"rank": rank, "size": R, "cases": 0, "kernels": normal._spec_of(normal.dispatch_config).family,
                     "symmetric": type(buf.mem.sym).__name__ if buf.mem.sym is not None else None}
     start = time.perf_counter()
     try:
@@ -445,9 +446,9 @@ def main() -> int:
                     check_barriers(buf, group, f"loop {it}", result)
             runs.append(h.hexdigest()[:16])
         result["loops_identical"] = runs[0] == runs[1]
-        result["retries"] = buf._normal_ops.estimate.retries
+        result["retries"] = buf._normal.ops.estimate.retries
         result["loops"] = args.loops
-        result["modules"] = sorted(module.spec.family.split(".")[0] for module in buf._normal_ops._modules.values())
+        result["modules"] = sorted(module.spec.family.split(".")[0] for module in buf._normal.ops._modules.values())
         result["nvshmem_initialised"] = live_resources()["nvshmem_initialised"]
     finally:
         buf.close()

@@ -354,7 +354,7 @@ def main() -> int:
     bufs = [epjit.Buffer(group, low_latency_mode=True, num_max_dispatch_tokens_per_rank=m, hidden=h, num_experts=e)
             for m, h, e in configs]
     result: dict = {"rank": rank, "cases": 0, "force_puts": os.environ.get("EPJIT_LL_FORCE_PUTS", "0"),
-                    "bytes": [b.num_rdma_bytes for b in bufs], "build": bufs[0]._ll.module.spec.family,
+                    "bytes": [b.num_rdma_bytes for b in bufs], "build": bufs[0]._low_latency.ops.module.spec.family,
                     "num_nvl_ranks": group.num_nvl_ranks,
                     "nvlink_peers": [pe for pe, ptr in enumerate(bufs[0].mem.sym.peer_ptrs) if ptr],
                     "symmetric": type(bufs[0].mem.sym).__name__}
