@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from epjit import bench
-from epjit.bench import peers
+from epjit.bench import cli, normal, peers, protocol, report
 from epjit.bench.kernels import PUT_CEILING_HEADER_BYTES, PutCeilingSpec, bench_specs, put_ceiling_heap_bytes
 from epjit.kernels import cuda_sources
 
@@ -69,6 +69,109 @@ def test_summary_prints_earlier_rows_without_a_gpu(tmp_path, capsys):
     (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("combine")]
     assert line.split()[:6] == ["combine", "4096", "7168", "24", "4", "512.5"]
     assert "1.25" in line.split()
+
+
+def test_summary_refuses_a_file_without_rows(tmp_path, capsys):
+    """A file of another tool (scripts/host_path.py writes "runs"), or one that is not JSON, ends in a message
+    naming it, before any row is printed, rather than in a traceback."""
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps({"meta": {}, "rows": [asdict(bench.Row("combine", 1, 2, 1, 2, 2, 2, 1.0, None, 1.0,
+                                                                       1.0, None, None, 1.0))]}))
+    for content, message in (({"meta": {}, "runs": []}, "no benchmark rows in it"), ("{", "Expecting")):
+        other = tmp_path / "other.json"
+        other.write_text(content if isinstance(content, str) else json.dumps(content))
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--summary", str(rows), str(other)])
+        assert e.value.code == 2
+        out, err = capsys.readouterr()
+        assert f"--summary {other}: {message}" in err and "Traceback" not in err
+        assert "combine" not in out
+
+
+def test_the_saved_results_print_with_summary(capsys):
+    """Every file of bench/results/ the benchmark wrote prints as one table, old fields and all."""
+    results = sorted((Path(__file__).resolve().parents[1] / "bench" / "results").glob("*.json"))
+    written = [str(p) for p in results if "rows" in json.loads(p.read_text())]
+    if not written:
+        pytest.skip("no bench/results/ here")
+    assert bench.main(["--summary", *written]) == 0
+    rows = sum(len(bench.load_rows(p)) for p in written)
+    assert len(capsys.readouterr().out.splitlines()) >= rows
+
+
+# --------------------------------------------------------------------------------- what the benchmark needs to run
+
+_HIDE_TORCH = "import sys; sys.modules['torch'] = None"  # `import torch` then raises ModuleNotFoundError
+
+
+def _fake_torch(cuda: str | None = None, gpus: bool = False, nccl: bool = True) -> dict[str, types.ModuleType]:
+    """torch and torch.distributed as a machine without a GPU has them: ``cuda`` the build's CUDA version (None: a
+    CPU-only build), ``gpus`` what torch.cuda.is_available() says, ``nccl`` whether torch.distributed has NCCL."""
+    torch = types.ModuleType("torch")
+    torch.__version__ = f"2.5.1+{'cu' + cuda.replace('.', '') if cuda else 'cpu'}"
+    torch.version = types.SimpleNamespace(cuda=cuda)
+    torch.cuda = types.SimpleNamespace(is_available=lambda: gpus)
+    dist = types.ModuleType("torch.distributed")
+    dist.is_available = lambda: True
+    dist.is_nccl_available = lambda: nccl
+    torch.distributed = dist
+    return {"torch": torch, "torch.distributed": dist}
+
+
+@pytest.mark.parametrize("modules, message, how", [
+    ({"torch": None}, "PyTorch is missing: `import torch` failed (ModuleNotFoundError", "pip install torch"),
+    (_fake_torch(), "no GPU: PyTorch 2.5.1+cpu sees none here (a CPU-only build: torch.version.cuda is None)",
+     "run it on a machine with NVIDIA GPUs"),
+    (_fake_torch("12.4"), "no GPU: PyTorch 2.5.1+cu124 sees none here (torch.cuda.is_available() is False",
+     "CUDA_VISIBLE_DEVICES="),
+    (_fake_torch("12.4", gpus=True, nccl=False), "NCCL is missing", "a CUDA build of PyTorch for Linux"),
+    ({**_fake_torch("12.4", gpus=True), "cupy": None}, "CuPy is missing: `import cupy` failed",
+     "pip install 'epjit[cuda13]'"),
+])
+def test_a_machine_without_what_the_benchmark_needs_is_told_what_to_install(modules, message, how, monkeypatch,
+                                                                             launched_ranks, capsys):
+    """Without torch, a GPU, NCCL or CuPy, every rank ends in one paragraph that names what is missing and how to get
+    it, with exit code 2, before it joins a group (no traceback from deep inside the first call needing it)."""
+    launched_ranks(2)
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(cli, "init_with_nccl", lambda *args: pytest.fail("the ranks started without a GPU"))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--tokens", "128"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m epjit.bench: error: ") and err.count("\n") == 1, err
+    assert message in err and how in err
+
+
+@pytest.mark.parametrize("prelude, message", [
+    (_HIDE_TORCH, "PyTorch is missing"),
+    ("import sys, tests.test_bench as t; sys.modules.update(t._fake_torch())", "no GPU: PyTorch 2.5.1+cpu"),
+])
+def test_python_m_epjit_bench_without_torch_or_a_gpu_ends_in_a_message(prelude, message, tmp_path):
+    """The command as a newcomer types it, in a fresh process: the message and exit code 2, and --summary and --help
+    still work there (they need neither)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in (*_LAUNCHER_SIZES, "EPJIT_SHARE_GPUS")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+
+    def bench_command(*argv: str) -> subprocess.CompletedProcess:
+        code = f"{prelude}; import runpy; sys.argv = ['bench', *{list(argv)!r}]; runpy.run_module('epjit.bench', " \
+               "run_name='__main__')"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root,
+                              env=env)
+
+    out = bench_command()
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith(f"python -m epjit.bench: error: {message}") and out.stderr.count("\n") == 1, \
+        out.stderr
+    assert "Traceback" not in out.stderr and "--summary" in out.stderr
+    assert bench_command("--help").returncode == 0
+    saved = tmp_path / "rows.json"
+    saved.write_text(json.dumps({"meta": {}, "rows": [asdict(bench.Row("combine", 4096, 7168, 8, 256, 24, 4, 512.5,
+                                                                         None, 310.0, 420.0, None, None, 90.0))]}))
+    out = bench_command("--summary", str(saved))
+    assert out.returncode == 0 and "512.5" in out.stdout, out.stderr
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
@@ -200,7 +303,7 @@ def test_put_ceiling_flag_runs_the_put_ceiling_first(launched_ranks, monkeypatch
         seen.append(args)
         raise KeyboardInterrupt  # stop before anything starts ranks
 
-    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr(cli, "run", fake_run)
     with pytest.raises(KeyboardInterrupt):
         bench.main(["--put-ceiling", "--num-nvl-ranks", "2", "--tokens", "4096", "128"])
     (args,) = seen
@@ -212,7 +315,7 @@ def test_put_ceiling_flag_runs_the_put_ceiling_first(launched_ranks, monkeypatch
 def test_summary_shows_the_internode_columns(tmp_path, capsys, monkeypatch):
     """An internode row shows V, its RDMA pairs and MB, RDMA GB/s and % put; a row of an older file (without those
     fields) and an intranode row show '-' there; fields a newer file adds are skipped."""
-    monkeypatch.setattr(bench._print_row, "header", False, raising=False)  # printed once a process
+    monkeypatch.setattr(report.print_row, "header", False, raising=False)  # printed once a process
     pairs = 40_000
     internode = bench.Row("dispatch", 4096, 7168, 8, 256, 24, 4, 400.0, 420.0, 300.0, 500.0, 280.0, 1.05, 87.0,
                           num_nvl_ranks=2, rdma_pairs=pairs, rdma_gbs=72.1, pct_put=48.5,
@@ -293,8 +396,8 @@ def test_internode_cases_ask_the_defaults_for_their_node_size(monkeypatch):
                           rdma_chunk_recv=128)
         return get
 
-    monkeypatch.setattr(bench, "get_dispatch_config", getter("dispatch", 6))
-    monkeypatch.setattr(bench, "get_combine_config", getter("combine", 4))
+    monkeypatch.setattr(normal, "get_dispatch_config", getter("dispatch", 6))
+    monkeypatch.setattr(normal, "get_combine_config", getter("combine", 4))
     fields = ("num_sms", "nvl_chunk_send", "nvl_chunk_recv", "rdma_chunk_send", "rdma_chunk_recv")
     combine = bench.case_config("combine", 8, 0, 0, 0, num_nvl_ranks=4)
     assert [getattr(combine, f) for f in fields] == [20, 4, 288, 12, 128]
@@ -333,7 +436,7 @@ def test_an_internode_buffer_is_sized_by_both_hints_over_every_case(monkeypatch)
     monkeypatch.setattr(epjit, "Buffer", FakeBuffer)
     args = argparse.Namespace(hidden=[4096, 7168], topk=8, experts=256)
     configs = [Config(num_sms=24, rdma_chunk_recv=128), Config(num_sms=16, rdma_chunk_recv=160)]
-    bench._normal_buffer(Group(), args, configs)
+    normal._normal_buffer(Group(), args, configs)
     assert made == [(24000, 1600)]
     assert {c[1:] for c in calls} == {(4, 7168, 8, 256, 2)}
 
@@ -357,7 +460,7 @@ def _parsed(monkeypatch, argv):
         seen.append(args)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr(cli, "run", fake_run)
     with pytest.raises(KeyboardInterrupt):
         bench.main(argv)
     return seen[0]
@@ -495,7 +598,7 @@ def test_peers_deepep_without_deepep_is_refused_before_timing(module, message, m
     import epjit.deep_ep
 
     launched_ranks(2)
-    monkeypatch.setattr(bench, "run", lambda args: pytest.fail("a refused run started"))
+    monkeypatch.setattr(cli, "run", lambda args: pytest.fail("a refused run started"))
     if module is None:
         monkeypatch.setitem(sys.modules, "deep_ep", None)  # `import deep_ep` raises ModuleNotFoundError
     elif module == "alias":
@@ -548,17 +651,17 @@ def test_rows_round_trip_through_json_with_and_without_deepep():
 
 def test_a_row_gets_deepep_figures_only_where_every_rank_has_one():
     row = bench.Row("ll-dispatch", 128, 7168, 8, 256, 0, 2, 40.0, None, 1.0, 1.0, None, None, 1.0)
-    assert bench._slowest([31.0, 35.5]) == 35.5
-    assert bench._slowest([31.0, None]) is None and bench._slowest([]) is None
-    assert bench._with_deepep(row, None, 40.0).deepep_us is None
-    assert bench._with_deepep(row, 50.04, 40.0) is row
+    assert report.slowest([31.0, 35.5]) == 35.5
+    assert report.slowest([31.0, None]) is None and report.slowest([]) is None
+    assert report.with_deepep(row, None, 40.0).deepep_us is None
+    assert report.with_deepep(row, 50.04, 40.0) is row
     assert (row.deepep_us, row.deepep_ratio) == (50.0, 1.25)
 
 
 def test_summary_shows_deepep_columns(tmp_path, capsys, monkeypatch):
     """The table has DeepEP us and DeepEP/epjit after NCCL/epjit: a row with DeepEP's figure shows it, a row of an
     older file (no deepep fields) and a row DeepEP was not timed for show '-'."""
-    monkeypatch.setattr(bench._print_row, "header", False, raising=False)
+    monkeypatch.setattr(report.print_row, "header", False, raising=False)
     timed = bench.Row("layout-dispatch", 128, 7168, 8, 256, 24, 2, 120.0, 150.0, 10.0, 20.0, 8.0, 1.25, 3.0,
                       num_nvl_ranks=2, deepep_us=140.0, deepep_ratio=1.17)
     untimed = bench.Row("cached-dispatch", 128, 7168, 8, 256, 24, 2, 60.0, 150.0, 10.0, 20.0, 8.0, 2.5, 3.0,
@@ -602,9 +705,9 @@ def fake_timing(monkeypatch):
         send_half().hook()
         return 7.0, 8.0
 
-    monkeypatch.setattr(bench, "_median_us", median_us)
-    monkeypatch.setattr(bench, "_graph", lambda fn, warmup=None: types.SimpleNamespace(replay=fn))
-    monkeypatch.setattr(bench, "hook_halves_us", hook_halves_us)
+    monkeypatch.setattr(protocol, "median_us", median_us)
+    monkeypatch.setattr(protocol, "graph", lambda fn, warmup=None: types.SimpleNamespace(replay=fn))
+    monkeypatch.setattr(protocol, "hook_halves_us", hook_halves_us)
     return calls
 
 
@@ -737,7 +840,7 @@ def test_epjit_rows_time_the_same_calls_as_deepep(mode, timed):
             calls.append(("combine", y, handle, config))
 
     d = types.SimpleNamespace(x="d.x", handle="d.handle")
-    call = bench._epjit_call(Buf(), mode, "x", "idx", "w", "layout", d, "cfg", 256)
+    call = normal._epjit_call(Buf(), mode, "x", "idx", "w", "layout", d, "cfg", 256)
     assert calls == []  # nothing runs until timed
     call()
     assert calls == timed

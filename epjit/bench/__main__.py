@@ -1,7 +1,7 @@
-"""``python -m epjit.bench``: see epjit.bench."""
+"""``python -m epjit.bench``: see epjit.bench.cli."""
 
 import sys
 
-from epjit.bench import main
+from epjit.bench.cli import main
 
 sys.exit(main())

@@ -32,6 +32,9 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+# What --peers offers: each case is timed beside these, in the same processes, on the same inputs.
+PEERS = ("nccl", "deepep")
+
 # Set (unless already set) before DeepEP's low-latency Buffer starts NVSHMEM. Upstream DeepEP asks NVSHMEM for IBGDA
 # in low-latency mode, whose start fails without an RDMA NIC; a DeepEP that reads DEEPEP_IBGDA (a one-line patch of
 # deep_ep/buffer.py) skips it, and with no remote transport every peer is reached over NVLink.
@@ -76,14 +79,14 @@ def nccl_case_us(dist: Any, group: Any, mode: str, row_bytes: int, send_counts: 
     ``mode`` is the operation (dispatch, dispatch-fp8 or combine)."""
     import torch
 
-    from . import _median_us
+    from .protocol import median_us
 
     fp8 = mode == "dispatch-fp8"
     cols, dtype = (row_bytes, torch.uint8) if fp8 else (row_bytes // 2, torch.bfloat16)
     in_split, out_split = (recv_counts, send_counts) if mode == "combine" else (send_counts, recv_counts)
     inp = torch.empty(sum(in_split), cols, dtype=dtype, device="cuda")
     out = torch.empty(sum(out_split), cols, dtype=dtype, device="cuda")
-    return _median_us(lambda: dist.all_to_all_single(out, inp, out_split, in_split), group, repeat)
+    return median_us(lambda: dist.all_to_all_single(out, inp, out_split, in_split), group, repeat)
 
 
 def nccl_bytes_us(dist: Any, group: Any, send_rows: list[int], recv_rows: list[int], row_bytes: int,
@@ -91,11 +94,11 @@ def nccl_bytes_us(dist: Any, group: Any, send_rows: list[int], recv_rows: list[i
     """NCCL all_to_all_single moving these rows of ``row_bytes`` bytes (as uint8)."""
     import torch
 
-    from . import _median_us
+    from .protocol import median_us
 
     inp = torch.empty(sum(send_rows), row_bytes, dtype=torch.uint8, device="cuda")
     out = torch.empty(sum(recv_rows), row_bytes, dtype=torch.uint8, device="cuda")
-    return _median_us(lambda: dist.all_to_all_single(out, inp, recv_rows, send_rows), group, repeat)
+    return median_us(lambda: dist.all_to_all_single(out, inp, recv_rows, send_rows), group, repeat)
 
 
 def attempt(group: Any, what: str, fn: Callable[[], T]) -> T | None:
@@ -229,7 +232,7 @@ class DeepEPPeer:
 
     def _normal_us(self, mode: str, x: Any, topk_idx: Any, topk_weights: Any, num_experts: int, num_sms: int,
                    repeat: int) -> float:
-        from . import _median_us
+        from .protocol import median_us
 
         buf = self.normal
         dispatch_config = self.config("dispatch", num_sms)
@@ -244,13 +247,13 @@ class DeepEPPeer:
         if mode == "combine":  # epjit's combine row passes no weights either: the rows alone, summed
             recv_x, _, _, _, handle, _ = dispatch(layout)
             combine_config = self.config("combine", num_sms)
-            return _median_us(lambda: buf.combine(recv_x, handle, config=combine_config), self.group, repeat)
+            return median_us(lambda: buf.combine(recv_x, handle, config=combine_config), self.group, repeat)
         if mode.startswith("cached-"):  # the handle's routing replayed: no layout, no count exchange, no host wait
             handle = dispatch(layout)[4]
-            return _median_us(lambda: buf.dispatch(x, handle=handle, config=dispatch_config), self.group, repeat)
+            return median_us(lambda: buf.dispatch(x, handle=handle, config=dispatch_config), self.group, repeat)
         if mode.startswith("layout-"):  # the call as a user makes it with a fresh routing
-            return _median_us(lambda: dispatch(buf.get_dispatch_layout(topk_idx, num_experts)), self.group, repeat)
-        return _median_us(lambda: dispatch(layout), self.group, repeat)
+            return median_us(lambda: dispatch(buf.get_dispatch_layout(topk_idx, num_experts)), self.group, repeat)
+        return median_us(lambda: dispatch(layout), self.group, repeat)
 
     # ---------------------------------------------------------------------------------------------- low latency
 
@@ -290,12 +293,12 @@ class DeepEPPeer:
         self.low_latency.clean_low_latency_buffer(*self.ll_sizes)
 
     def _graph_us(self, call: Callable[..., Any], repeat: int) -> float:
-        from . import _graph, _median_us
+        from .protocol import graph_us
 
-        return _median_us(_graph(call).replay, self.group, repeat, before=self._clean)
+        return graph_us(call, self.group, repeat, before=self._clean)
 
     def _halves_us(self, call: Callable[..., Any], repeat: int) -> tuple[float, float]:
-        from . import hook_halves_us
+        from .protocol import hook_halves_us
 
         # DeepEP returns its receive hook as the last element of the call's result
         return hook_halves_us(lambda: SimpleNamespace(hook=call(True)[-1]), self.group, repeat, before=self._clean)
