@@ -58,24 +58,36 @@ def _signature_problems(spec: KernelSpec, source: str) -> list[str]:
     return problems
 
 
-def _source_of(spec: KernelSpec) -> str:
-    path = CUDA_SRC / spec.SOURCE
-    source = path.read_text()
-    # A build variant (low_latency_puts.cu) defines its switches and includes the kernels' .cu file.
-    return source + "".join((path.parent / name).read_text() for name in re.findall(r'#include "(\w+\.cu)"', source))
-
-
 @pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.family)
 def test_spec_matches_cu_signature(spec):
     """The spec declares each kernel's arguments by the .cu's own names, in its order, with its C types: every
     launch fills them by name, so a parameter renamed, moved or retyped in the .cu fails here."""
-    assert _signature_problems(spec, _source_of(spec)) == []
+    assert _signature_problems(spec, (CUDA_SRC / spec.SOURCE).read_text()) == []
+
+
+def test_build_variants_are_defines_of_one_source():
+    """A build variant is its spec's defines on the family's one source, never a .cu that includes another .cu; each
+    define reaches NVRTC as an option (so the cache key sees it) and is one the source's files test."""
+    including = [f"{p.relative_to(CUDA_SRC)}: {name}" for p in CUDA_SRC.rglob("*.cu*")
+                 for name in re.findall(r'#\s*include\s*"([^"]+\.cu)"', p.read_text())]
+    assert not including, f"a .cu included as a header: {including}"
+    variants = [spec for spec in ALL_SPECS if spec.DEFINES]
+    assert {spec.family.split(".")[0] for spec in variants} == {"low_latency_puts", "low_latency_stores",
+                                                                 "internode_stores"}
+    for spec in variants:
+        options = compile_options(spec, "sm_90", jit_config())
+        assert [o for o in options if o.startswith("-D") and o != "-DNDEBUG"] == [f"-D{d}" for d in spec.DEFINES]
+        text = "".join(p.read_text() for p in included_files(CUDA_SRC / spec.SOURCE, CUDA_SRC))
+        for name in spec.DEFINES:
+            assert re.search(rf"defined\(\s*{name}\s*\)|#\s*ifn?def\s+{name}\b", text), (spec.family, name)
+    plain = [spec for spec in ALL_SPECS if not spec.DEFINES]
+    assert all(not o.startswith("-D") or o == "-DNDEBUG" for o in compile_options(plain[0], "sm_90", jit_config()))
 
 
 def test_swapped_arguments_of_one_type_are_caught():
     """Two int parameters swapped in a .cu signature are invisible to a type check; the names catch them."""
     spec = next(s for s in check_specs() if s.family == "barrier.num_nvl_ranks=4")
-    source = _source_of(spec)
+    source = (CUDA_SRC / spec.SOURCE).read_text()
     swapped = source.replace("int num_rounds, int num_ints", "int num_ints, int num_rounds")
     assert swapped != source, "update this test: nvl_exchange_check's signature changed"
     problems = _signature_problems(spec, swapped)
@@ -355,8 +367,6 @@ def test_programmatic_launches_wait_for_their_predecessor():
     assert ("intranode.cu", "intranode_dispatch") in launched, "update this test: dispatch is launched with PDL"
     for source, kernel in sorted(launched):
         text = (CUDA_SRC / source).read_text()
-        # a build of another source (internode_stores.cu: #define, then #include "internode.cu") is that source's
-        text += "".join((CUDA_SRC / inner).read_text() for inner in re.findall(r'#include "(\w+\.cu)"', text))
         start = re.search(rf"__global__[^;{{]*?\b{kernel}\s*\(", text, re.S)
         assert start, kernel
         end = text.find("__global__", start.end())
