@@ -16,10 +16,10 @@ import pytest
 
 from epjit import jit
 from epjit.bench.kernels import bench_specs
-from epjit.jit import KernelSpec, camel_param, compile_spec, normalize_arch
+from epjit.jit import KernelSpec, camel_param, compile_spec, normalize_arch, registry
 from epjit.jit.compiler import cache_key, compile_options, included_files
 from epjit.jit.toolchain import check_nvshmem_version, parse_nvshmem_version
-from epjit.kernels import check_specs, cuda_sources, jit_config
+from epjit.kernels import BarrierSpec, check_specs, cuda_sources, jit_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_SRC = cuda_sources()
@@ -235,6 +235,45 @@ def test_check_cli_compiles_every_module(tmp_path):
     warm = subprocess.run([sys.executable, "-m", "epjit.jit", "--check", "--arch", "sm_90"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert warm.returncode == 0 and warm.stdout.count(" cache") == len(ALL_SPECS), warm.stdout
+
+
+def test_check_cli_finds_the_kernels_through_the_entry_point_group():
+    """The JIT layer imports nothing above it: the product's and the benchmark's kernel sets reach `--check` through
+    the entry-point group, in that order, with epjit's configuration (a checkout's pyproject.toml where the installed
+    metadata lacks them)."""
+    sets = registry.kernel_sets()
+    assert [name for name, _ in sets] == ["epjit", "epjit.bench"]
+    assert [spec for _, s in sets for spec in s.specs] == ALL_SPECS
+    assert all(s.config == jit_config() for _, s in sets)
+    with pytest.raises(jit.JitError, match="no kernels are registered"):
+        registry.kernel_sets({})
+    with pytest.raises(jit.JitError, match="broken = 'no_such_module:f'.*ModuleNotFoundError"):
+        registry.kernel_sets({"broken": "no_such_module:f"})
+
+
+def test_an_installed_package_registers_its_kernels(tmp_path, monkeypatch):
+    """An installed distribution's entry points (a wheel's entry_points.txt) add its kernel set to the check."""
+    (tmp_path / "ext_kernels.py").write_text(
+        "from epjit.jit import KernelSet\nfrom epjit.kernels import BarrierSpec, jit_config\n"
+        "def kernel_set():\n    return KernelSet(jit_config(), [BarrierSpec(2)])\n")
+    info = tmp_path / "ext_kernels-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ext-kernels\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[{registry.GROUP}]\next = ext_kernels:kernel_set\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    entries = registry.registered()
+    assert entries["ext"] == "ext_kernels:kernel_set" and "epjit" in entries
+    assert dict(registry.kernel_sets(entries))["ext"].specs == [BarrierSpec(2)]
+
+
+def test_check_options_without_check_say_what_they_need(capsys):
+    from epjit.jit.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--resources"])
+    assert info.value.code == 2
+    assert "--resources applies to the modules --check builds: add --check" in capsys.readouterr().err
+    assert main([]) == 2 and "--check" in capsys.readouterr().out
 
 
 def test_nvshmem_version_gate():

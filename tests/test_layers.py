@@ -28,8 +28,9 @@ LAYERS = [
 ]
 # Beyond the layers: peer memory (IPC, NVSHMEM) does not reach into the JIT.
 FORBIDDEN = {"epjit.memory": ("epjit.jit", "epjit.kernels")}
-# A program's entry module composes the layers; it is not part of the one it sits in.
-ENTRY_POINTS = {"epjit.jit.__main__", "epjit.bench.__main__"}
+# A program's entry module composes the layers; it is not part of the one it sits in. The JIT layer's program
+# (`python -m epjit.jit`) is not one: it finds the kernels through the entry points packages register.
+ENTRY_POINTS = {"epjit.bench.__main__"}
 
 
 def _module_name(path: Path) -> str:
@@ -96,11 +97,27 @@ def test_imports_run_downward_only():
     assert not problems, "\n".join(problems)
 
 
+def _names_outside_the_jit(path: Path) -> list[str]:
+    """epjit modules other than the JIT layer's named in a string of ``path`` that is not a docstring (an
+    importlib.import_module("epjit.kernels") would hide an upward import from the import reader)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)}
+    return [m.group(0) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+            for m in re.finditer(r"\bepjit\.(?!jit\b)\w+", node.value)]
+
+
 def test_the_jit_layer_imports_nothing_else_of_epjit():
-    for path, module in _modules():
-        if module.startswith("epjit.jit") and module not in ENTRY_POINTS:
-            outside = [t for t in _imports(path, module) if not t.startswith("epjit.jit")]
-            assert not outside, f"{module} imports {outside}"
+    """The whole of epjit/jit/, its program (__main__) included: no import of the rest of epjit, and no module of it
+    named in a string."""
+    modules = [(path, module) for path, module in _modules() if module.startswith("epjit.jit")]
+    assert "epjit.jit.__main__" in {module for _, module in modules}
+    for path, module in modules:
+        outside = [t for t in _imports(path, module) if not t.startswith("epjit.jit")]
+        assert not outside, f"{module} imports {outside}"
+        assert not _names_outside_the_jit(path), f"{module} names {_names_outside_the_jit(path)}"
 
 
 def test_the_checker_sees_an_upward_import(tmp_path):
@@ -112,6 +129,9 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     fake = tmp_path / "x.py"
     fake.write_text("from .. import arrays\ndef f():\n    from ..jit import unload_all\n    import epjit.buffer\n")
     assert _imports(fake, "epjit.ops.x") == {"epjit.arrays", "epjit.jit", "epjit.buffer"}
+    fake.write_text('"""Built by epjit.kernels."""\nimport importlib\nlog = "epjit.jit"\n'
+                    'importlib.import_module("epjit.kernels")\n')
+    assert _names_outside_the_jit(fake) == ["epjit.kernels"]
 
 
 def _spans(tree: ast.AST) -> list[tuple[str, int]]:
