@@ -386,7 +386,7 @@ def _bench_put_ceiling(group: Any, args: argparse.Namespace) -> list[Row]:
 
 
 _CEILING_BYTES = 64 << 20  # per destination: ~0.2 ms at NVLink speed, far above launch and skew
-_CEILING_STAGES = 8  # kCeilingStages of cuda_src/ceiling.cu
+_CEILING_STAGES = 8  # kCeilingStages of cuda_src/bench/ceiling.cu
 
 
 def _bench_ceiling(group: Any, args: argparse.Namespace) -> list[Row]:
@@ -414,7 +414,7 @@ def _bench_ceiling(group: Any, args: argparse.Namespace) -> list[Row]:
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
     stream = torch.cuda.current_stream().cuda_stream
     num_sms = torch.cuda.get_device_properties(group.device).multi_processor_count
-    # name: (destination mask, schedule, pull, skew); schedules as in cuda_src/ceiling.cu
+    # name: (destination mask, schedule, pull, skew); schedules as in cuda_src/bench/ceiling.cu
     split, rotate, interleave = 0, 1, 2
     patterns = {"local": (1 << me, split, 0, 0)}
     if r > 1:

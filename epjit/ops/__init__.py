@@ -6,7 +6,7 @@ decoding of its host records, its outputs and its launches (arguments by name):
 - :mod:`epjit.ops.layout`: get_dispatch_layout (normal mode's counts per rank and expert);
 - :mod:`epjit.ops.intranode`: normal mode inside one NVLink node (notify, dispatch, combine);
 - :mod:`epjit.ops.low_latency`: low-latency mode (fixed slots on the NVSHMEM symmetric heap);
-- normal mode across NVLink nodes will be ``epjit.ops.internode``.
+- :mod:`epjit.ops.internode`: normal mode across NVLink nodes (the NVLink and RDMA legs).
 
 Shared by all: :mod:`epjit.ops.streams` (the stream and event policy), :mod:`epjit.ops.profile` (EPJIT_PROFILE)
 and :mod:`epjit.ops.loader` (kernel modules).
