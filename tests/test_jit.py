@@ -58,11 +58,16 @@ def _signature_problems(spec: KernelSpec, source: str) -> list[str]:
     return problems
 
 
+def _source_of(spec: KernelSpec) -> str:
+    """The family's one source (a build variant is its spec's defines on it, not another file)."""
+    return (CUDA_SRC / spec.SOURCE).read_text()
+
+
 @pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.family)
 def test_spec_matches_cu_signature(spec):
     """The spec declares each kernel's arguments by the .cu's own names, in its order, with its C types: every
     launch fills them by name, so a parameter renamed, moved or retyped in the .cu fails here."""
-    assert _signature_problems(spec, (CUDA_SRC / spec.SOURCE).read_text()) == []
+    assert _signature_problems(spec, _source_of(spec)) == []
 
 
 def test_build_variants_are_defines_of_one_source():
@@ -87,7 +92,7 @@ def test_build_variants_are_defines_of_one_source():
 def test_swapped_arguments_of_one_type_are_caught():
     """Two int parameters swapped in a .cu signature are invisible to a type check; the names catch them."""
     spec = next(s for s in check_specs() if s.family == "barrier.num_nvl_ranks=4")
-    source = (CUDA_SRC / spec.SOURCE).read_text()
+    source = _source_of(spec)
     swapped = source.replace("int num_rounds, int num_ints", "int num_ints, int num_rounds")
     assert swapped != source, "update this test: nvl_exchange_check's signature changed"
     problems = _signature_problems(spec, swapped)
