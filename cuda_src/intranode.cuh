@@ -37,7 +37,7 @@ static_assert(kNvlChannelBarrierOffset + kMaxChannels * kMaxNvlRanks * 4 <= kNvl
 __host__ __device__ constexpr int64_t channel_barrier_offset(int channel) {
     return kNvlChannelBarrierOffset + static_cast<int64_t>(channel) * kMaxNvlRanks * 4;
 }
-// Ints of meta per rank, and how many of them must agree across ranks (epjit/buffer.py mirrors both).
+// Ints of meta per rank and how many must agree across ranks (epjit/kernels/intranode.py: META_INTS, META_COMPARED).
 constexpr int kMetaInts = 8;
 constexpr int kMetaCompared = 4;
 

@@ -37,9 +37,9 @@
 #include "copy.cuh"
 #include "fp8.cuh"
 #include "low_latency.cuh"
-// The NVSHMEM device library only where a put path may run through it (low_latency_puts.cu): a -rdc build linked
-// with it makes every launch slower (docs/history.md), so the plain build's put path traps (rdma.cuh's "none"), and
-// low_latency_stores.cu's puts are NVLink stores.
+// The NVSHMEM device library only where a put path may run through it (EPJIT_LL_PUTS): a -rdc build linked with
+// it makes every launch slower (docs/history.md), so the plain build's put path traps (rdma.cuh's "none"), and the
+// EPJIT_RDMA_BY_STORES build's puts are NVLink stores.
 #if !defined(EPJIT_LL_PUTS) && !defined(EPJIT_RDMA_BY_STORES)
 #define EPJIT_RDMA_NONE
 #endif
@@ -55,13 +55,13 @@ constexpr int kLowLatencyWarps = kLowLatencyThreads / 32;
 constexpr int kPhaseSend = 1;
 constexpr int kPhaseRecv = 2;
 
-// Call flags (epjit/buffer.py mirrors them).
+// Call flags (epjit/ops/low_latency.py mirrors them).
 constexpr int kFlagFp8 = 1;
 constexpr int kFlagRoundScale = 2;
 constexpr int kFlagUe8m0 = 4;
 
 // Status bits, ORed into the call word (LowLatencySync::call[set], above kCallBlockBits); the call's last block
-// counts each raised bit in host_status (epjit/buffer.py mirrors the layout, see publish_status).
+// counts each raised bit in host_status (epjit/ops/low_latency.py mirrors the layout, see publish_status).
 constexpr int kLowLatencyInvalidIds = 1;    // topk_idx entries outside [-1, num_experts): skipped
 constexpr int kLowLatencySlotOverflow = 2;  // > M top-k slots of one rank name one expert (repeats): dropped
 constexpr int kLowLatencyMetaMismatch = 4;  // a message with another hidden size or FP8 setting arrived

@@ -1,12 +1,12 @@
 // The put and signal operations of the kernels that reach a rank without an NVLink pointer: the internode RDMA leg,
 // and low latency's put path. Addresses are my own copy's (symmetric addressing: the same offset on `pe`).
 //
-// Three builds of the same kernels, chosen by what the including source defines:
-//   NVSHMEM (internode.cu,                the device library's puts and signals: the path a cluster's nodes take
-//   low_latency_puts.cu)                  (IBGDA or NVSHMEM's proxy).
+// Three builds of the same kernels, chosen by the defines of the spec that builds them (epjit/kernels/):
+//   NVSHMEM (internode.cu's default,      the device library's puts and signals: the path a cluster's nodes take
+//   low_latency.cu with EPJIT_LL_PUTS)    (IBGDA or NVSHMEM's proxy).
 //   stores (EPJIT_RDMA_BY_STORES:         every rank of the group is on one host and maps every other's symmetric
-//   internode_stores.cu,                  region through CUDA IPC (epjit.memory.IpcHeap): the warp stores the bytes
-//   low_latency_stores.cu)                through the peer's pointer; a signal is a release by one thread. The order
+//   internode_stores and                  region through CUDA IPC (epjit.memory.IpcHeap): the warp stores the bytes
+//   low_latency_stores builds)            through the peer's pointer; a signal is a release by one thread. The order
 //                                         NVSHMEM guarantees (the data, then the signal) is kept the way every
 //                                         NVLink ring here is published: the lanes' stores -> the caller's
 //                                         __syncwarp or barrier -> a release. No NVSHMEM library: compute-sanitizer

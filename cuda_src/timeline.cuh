@@ -1,6 +1,6 @@
 // EPJIT_PROFILE: per-block %globaltimer stamps at named points of a kernel, into timeline[block][point]. Each
 // kernel family names its points in an enum (the host mirrors it); a null timeline, the default, costs one branch.
-// The host reports, per point, the median and the latest block (epjit/buffer.py: _Profile.report).
+// The host reports, per point, the median and the latest block (epjit/ops/profile.py: Profile.report).
 #pragma once
 
 #include "ptx.cuh"

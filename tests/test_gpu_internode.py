@@ -38,7 +38,7 @@ def test_internode_against_reference(n, nvl_ranks, shared):
 @pytest.mark.parametrize("n, nvl_ranks, shared", [p for p in TOPOLOGIES if p.values[0] <= 4])
 def test_internode_with_the_rdma_leg_as_nvlink_stores_against_reference(n, nvl_ranks, shared):
     """EPJIT_RDMA_BY_STORES=1: the symmetric region on CUDA IPC memory every rank maps, the kernels' build with the
-    RDMA leg as NVLink stores (internode_stores.cu), NVSHMEM never started; the same cases, the same answers."""
+    RDMA leg as NVLink stores (the internode_stores build), NVSHMEM never started; the same cases, the same answers."""
     env = placement(n, shared)
     pytest.importorskip("torch")
     code, output, results = run_ranks(

@@ -16,10 +16,10 @@ import pytest
 
 from epjit import jit
 from epjit.bench.kernels import bench_specs
-from epjit.jit import KernelSpec, camel_param, compile_spec, normalize_arch
+from epjit.jit import KernelSpec, camel_param, compile_spec, normalize_arch, registry
 from epjit.jit.compiler import cache_key, compile_options, included_files
 from epjit.jit.toolchain import check_nvshmem_version, parse_nvshmem_version
-from epjit.kernels import check_specs, cuda_sources, jit_config
+from epjit.kernels import BarrierSpec, check_specs, cuda_sources, jit_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_SRC = cuda_sources()
@@ -59,10 +59,8 @@ def _signature_problems(spec: KernelSpec, source: str) -> list[str]:
 
 
 def _source_of(spec: KernelSpec) -> str:
-    path = CUDA_SRC / spec.SOURCE
-    source = path.read_text()
-    # A build variant (low_latency_puts.cu) defines its switches and includes the kernels' .cu file.
-    return source + "".join((path.parent / name).read_text() for name in re.findall(r'#include "(\w+\.cu)"', source))
+    """The family's one source (a build variant is its spec's defines on it, not another file)."""
+    return (CUDA_SRC / spec.SOURCE).read_text()
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.family)
@@ -70,6 +68,25 @@ def test_spec_matches_cu_signature(spec):
     """The spec declares each kernel's arguments by the .cu's own names, in its order, with its C types: every
     launch fills them by name, so a parameter renamed, moved or retyped in the .cu fails here."""
     assert _signature_problems(spec, _source_of(spec)) == []
+
+
+def test_build_variants_are_defines_of_one_source():
+    """A build variant is its spec's defines on the family's one source, never a .cu that includes another .cu; each
+    define reaches NVRTC as an option (so the cache key sees it) and is one the source's files test."""
+    including = [f"{p.relative_to(CUDA_SRC)}: {name}" for p in CUDA_SRC.rglob("*.cu*")
+                 for name in re.findall(r'#\s*include\s*"([^"]+\.cu)"', p.read_text())]
+    assert not including, f"a .cu included as a header: {including}"
+    variants = [spec for spec in ALL_SPECS if spec.DEFINES]
+    assert {spec.family.split(".")[0] for spec in variants} == {"low_latency_puts", "low_latency_stores",
+                                                                 "internode_stores"}
+    for spec in variants:
+        options = compile_options(spec, "sm_90", jit_config())
+        assert [o for o in options if o.startswith("-D") and o != "-DNDEBUG"] == [f"-D{d}" for d in spec.DEFINES]
+        text = "".join(p.read_text() for p in included_files(CUDA_SRC / spec.SOURCE, CUDA_SRC))
+        for name in spec.DEFINES:
+            assert re.search(rf"defined\(\s*{name}\s*\)|#\s*ifn?def\s+{name}\b", text), (spec.family, name)
+    plain = [spec for spec in ALL_SPECS if not spec.DEFINES]
+    assert all(not o.startswith("-D") or o == "-DNDEBUG" for o in compile_options(plain[0], "sm_90", jit_config()))
 
 
 def test_swapped_arguments_of_one_type_are_caught():
@@ -225,6 +242,45 @@ def test_check_cli_compiles_every_module(tmp_path):
     assert warm.returncode == 0 and warm.stdout.count(" cache") == len(ALL_SPECS), warm.stdout
 
 
+def test_check_cli_finds_the_kernels_through_the_entry_point_group():
+    """The JIT layer imports nothing above it: the product's and the benchmark's kernel sets reach `--check` through
+    the entry-point group, in that order, with epjit's configuration (a checkout's pyproject.toml where the installed
+    metadata lacks them)."""
+    sets = registry.kernel_sets()
+    assert [name for name, _ in sets] == ["epjit", "epjit.bench"]
+    assert [spec for _, s in sets for spec in s.specs] == ALL_SPECS
+    assert all(s.config == jit_config() for _, s in sets)
+    with pytest.raises(jit.JitError, match="no kernels are registered"):
+        registry.kernel_sets({})
+    with pytest.raises(jit.JitError, match="broken = 'no_such_module:f'.*ModuleNotFoundError"):
+        registry.kernel_sets({"broken": "no_such_module:f"})
+
+
+def test_an_installed_package_registers_its_kernels(tmp_path, monkeypatch):
+    """An installed distribution's entry points (a wheel's entry_points.txt) add its kernel set to the check."""
+    (tmp_path / "ext_kernels.py").write_text(
+        "from epjit.jit import KernelSet\nfrom epjit.kernels import BarrierSpec, jit_config\n"
+        "def kernel_set():\n    return KernelSet(jit_config(), [BarrierSpec(2)])\n")
+    info = tmp_path / "ext_kernels-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: ext-kernels\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[{registry.GROUP}]\next = ext_kernels:kernel_set\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    entries = registry.registered()
+    assert entries["ext"] == "ext_kernels:kernel_set" and "epjit" in entries
+    assert dict(registry.kernel_sets(entries))["ext"].specs == [BarrierSpec(2)]
+
+
+def test_check_options_without_check_say_what_they_need(capsys):
+    from epjit.jit.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--resources"])
+    assert info.value.code == 2
+    assert "--resources applies to the modules --check builds: add --check" in capsys.readouterr().err
+    assert main([]) == 2 and "--check" in capsys.readouterr().out
+
+
 def test_nvshmem_version_gate():
     header = "#define NVSHMEM_VENDOR_MAJOR_VERSION 3\n#define NVSHMEM_VENDOR_MINOR_VERSION 4\n" \
              "#define NVSHMEM_VENDOR_PATCH_VERSION 5\n"
@@ -355,8 +411,6 @@ def test_programmatic_launches_wait_for_their_predecessor():
     assert ("intranode.cu", "intranode_dispatch") in launched, "update this test: dispatch is launched with PDL"
     for source, kernel in sorted(launched):
         text = (CUDA_SRC / source).read_text()
-        # a build of another source (internode_stores.cu: #define, then #include "internode.cu") is that source's
-        text += "".join((CUDA_SRC / inner).read_text() for inner in re.findall(r'#include "(\w+\.cu)"', text))
         start = re.search(rf"__global__[^;{{]*?\b{kernel}\s*\(", text, re.S)
         assert start, kernel
         end = text.find("__global__", start.end())

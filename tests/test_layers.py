@@ -36,8 +36,9 @@ LAYERS = [
 ]
 # Beyond the layers: peer memory (IPC, NVSHMEM) does not reach into the JIT.
 FORBIDDEN = {"epjit.memory": ("epjit.jit", "epjit.kernels")}
-# A program's entry module composes the layers; it is not part of the one it sits in.
-ENTRY_POINTS = {"epjit.jit.__main__", "epjit.bench.__main__"}
+# A program's entry module composes the layers; it is not part of the one it sits in. The JIT layer's program
+# (`python -m epjit.jit`) is not one: it finds the kernels through the entry points packages register.
+ENTRY_POINTS = {"epjit.bench.__main__"}
 
 
 def _module_name(path: Path) -> str:
@@ -112,11 +113,27 @@ def test_imports_run_downward_only():
     assert not problems, "\n".join(problems)
 
 
+def _names_outside_the_jit(path: Path) -> list[str]:
+    """epjit modules other than the JIT layer's named in a string of ``path`` that is not a docstring (an
+    importlib.import_module("epjit.kernels") would hide an upward import from the import reader)."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)}
+    return [m.group(0) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+            for m in re.finditer(r"\bepjit\.(?!jit\b)\w+", node.value)]
+
+
 def test_the_jit_layer_imports_nothing_else_of_epjit():
-    for path, module in _modules():
-        if module.startswith("epjit.jit") and module not in ENTRY_POINTS:
-            outside = [t for t in _imports(path, module) if not t.startswith("epjit.jit")]
-            assert not outside, f"{module} imports {outside}"
+    """The whole of epjit/jit/, its program (__main__) included: no import of the rest of epjit, and no module of it
+    named in a string."""
+    modules = [(path, module) for path, module in _modules() if module.startswith("epjit.jit")]
+    assert "epjit.jit.__main__" in {module for _, module in modules}
+    for path, module in modules:
+        outside = [t for t in _imports(path, module) if not t.startswith("epjit.jit")]
+        assert not outside, f"{module} imports {outside}"
+        assert not _names_outside_the_jit(path), f"{module} names {_names_outside_the_jit(path)}"
 
 
 def test_the_checker_sees_an_upward_import(tmp_path):
@@ -133,6 +150,9 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     assert _problems("epjit.buffer", False, {"epjit.bench"})
     assert not _problems("epjit.group.bootstrap", False, {"epjit.group.mpi", "epjit.errors"})
     assert not _problems("epjit.memory", False, {"epjit.group", "epjit.arrays"})
+    fake.write_text('"""Built by epjit.kernels."""\nimport importlib\nlog = "epjit.jit"\n'
+                    'importlib.import_module("epjit.kernels")\n')
+    assert _names_outside_the_jit(fake) == ["epjit.kernels"]
 
 
 def _spans(tree: ast.AST) -> list[tuple[str, int]]:
@@ -153,6 +173,20 @@ def test_no_function_over_100_lines_and_buffer_under_350():
             if name.startswith("ClassDef Buffer ") and module == "epjit.buffer":
                 assert lines < 350, f"Buffer is {lines} lines"
     assert not long, "\n".join(long)
+
+
+MAX_MODULE_LINES = 600
+# Modules still past the limit while they are split into modules of their concerns.
+STILL_OVER = ("epjit/arrays.py", "epjit/bench/__init__.py", "epjit/buffer.py", "epjit/group.py", "epjit/launch.py",
+              "epjit/ops/intranode.py", "epjit/reference.py")
+
+
+@pytest.mark.xfail(strict=False, reason=f"still over {MAX_MODULE_LINES} lines: {', '.join(STILL_OVER)}")
+def test_no_python_file_of_the_package_over_600_lines():
+    """A module one can hold in one's head: past 600 lines a module has grown a second concern."""
+    over = [f"{path.relative_to(ROOT)}: {n} lines" for path, _ in _modules()
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not over, "\n".join(over)
 
 
 def _tracked_text_files() -> list[Path]:

@@ -87,13 +87,14 @@ def test_the_build_without_nvshmem_serves_only_where_every_peer_has_a_pointer():
 
 
 def test_the_puts_builds_are_the_same_kernels_with_nvshmem_or_stores():
-    puts = (CUDA_SRC / ll.LowLatencyPutsSpec.SOURCE).read_text()
-    assert "#define EPJIT_LL_PUTS" in puts and '#include "low_latency.cu"' in puts
+    assert ll.LowLatencyPutsSpec.SOURCE == ll.LowLatencyStoresSpec.SOURCE == ll.LowLatencySpec.SOURCE
+    assert ll.LowLatencyPutsSpec.DEFINES == ("EPJIT_LL_PUTS",) and not ll.LowLatencySpec.DEFINES
     assert ll.LowLatencyPutsSpec.USES_NVSHMEM and not ll.LowLatencySpec.USES_NVSHMEM
     assert ll.LowLatencyPutsSpec.KERNELS == ll.LowLatencySpec.KERNELS
-    stores = (CUDA_SRC / ll.LowLatencyStoresSpec.SOURCE).read_text()
-    assert "#define EPJIT_RDMA_BY_STORES" in stores and '#include "low_latency.cu"' in stores
+    assert ll.LowLatencyStoresSpec.DEFINES == ("EPJIT_RDMA_BY_STORES",)
     assert not ll.LowLatencyStoresSpec.USES_NVSHMEM and ll.LowLatencyStoresSpec.KERNELS == ll.LowLatencySpec.KERNELS
+    assert [s().family for s in (ll.LowLatencySpec, ll.LowLatencyPutsSpec, ll.LowLatencyStoresSpec)] == [
+        "low_latency", "low_latency_puts", "low_latency_stores"]  # cache files and logs tell the builds apart
     # the plain build's put path traps, and the source reaches NVSHMEM only through rdma.cuh
     source = (CUDA_SRC / ll.LowLatencySpec.SOURCE).read_text()
     assert "#define EPJIT_RDMA_NONE" in source and "nvshmemx_" not in source and "nvshmem_quiet" not in source

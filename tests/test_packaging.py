@@ -81,6 +81,22 @@ def test_every_python_package_is_listed():
         assert package_dir(package).is_dir(), f"{package}: {package_dir(package)} does not exist"
 
 
+def test_the_jit_check_finds_the_kernels_through_the_wheels_entry_points():
+    """`python -m epjit.jit --check` (and CI's check of the installed wheel) finds what to build in the entry-point
+    group epjit.jit.specs: pyproject.toml declares it, so the wheel's entry_points.txt carries it, and each entry
+    names a function of a packaged module."""
+    from epjit.jit.registry import GROUP
+
+    entries = PROJECT["entry-points"][GROUP]
+    assert entries == {"epjit": "epjit.kernels:kernel_set", "epjit.bench": "epjit.bench.kernels:kernel_set"}
+    for value in entries.values():
+        module, _, function = value.partition(":")
+        assert module in SETUPTOOLS["packages"] or module.rpartition(".")[0] in SETUPTOOLS["packages"], module
+        path = ROOT / Path(*module.split("."))
+        source = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        assert f"def {function}(" in source.read_text(), value
+
+
 def test_cuda_sources_resolve():
     from epjit.kernels import cuda_sources
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..jit import KernelSpec
+from ..jit import KernelSet, KernelSpec
+from ..kernels import jit_config
 from ..kernels.foundation import PEERS
 
 
@@ -58,3 +59,9 @@ def put_ceiling_heap_bytes(n_bytes: int) -> int:
 def bench_specs() -> list[KernelSpec]:
     """The benchmark's modules, for `python -m epjit.jit --check`."""
     return [SpinSpec(), CopyCeilingSpec(), PutCeilingSpec()]
+
+
+def kernel_set() -> KernelSet:
+    """The benchmark's modules with epjit's configuration: the entry ``epjit.bench`` of the group epjit.jit.specs
+    (pyproject.toml), built after the product's."""
+    return KernelSet(jit_config(), bench_specs())

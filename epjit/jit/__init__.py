@@ -2,7 +2,8 @@
 
 It knows kernel specs (template parameters, argument names and C types) and nothing about MoE, and it imports
 nothing else of epjit: where the sources are, where the cache lives and the version come in a :class:`JitConfig`.
-``python -m epjit.jit --check [--arch sm_90]`` compiles and links every module without a GPU.
+``python -m epjit.jit --check [--arch sm_90]`` compiles and links without a GPU every module the packages above
+register as a :class:`KernelSet` (entry-point group ``epjit.jit.specs``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from .compiler import CompiledModule, compile_spec, normalize_arch
 from .config import JitConfig
 from .errors import CompileError, JitError, ToolchainError
 from .module import Module, device_arch, load, unload_all
+from .registry import KernelSet
 from .spec import KernelArgs, KernelSpec, camel_param
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "JitConfig",
     "JitError",
     "KernelArgs",
+    "KernelSet",
     "KernelSpec",
     "Module",
     "ToolchainError",

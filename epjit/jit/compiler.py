@@ -1,7 +1,8 @@
 """NVRTC compile (+ nvJitLink for NVSHMEM modules) of one kernel spec into a cubin, through the disk cache.
 
-The generated program is only ``#include "<family>.cu"``; the spec's template instantiations reach NVRTC as
-name expressions, and NVRTC hands back their lowered (mangled) names, which are stored beside the cubin.
+The generated program is only ``#include "<family>.cu"``; a build variant's defines reach NVRTC as ``-D`` options,
+the spec's template instantiations as name expressions, and NVRTC hands back their lowered (mangled) names, which
+are stored beside the cubin.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def included_files(source: Path, source_dir: Path, seen: set[Path] | None = None
 def compile_options(spec: KernelSpec, arch: str, config: JitConfig) -> list[str]:
     tc = toolchain()
     options = [f"-arch={arch}", "-std=c++17", "-default-device", "-lineinfo", "-DNDEBUG", f"-I{config.source_dir}"]
+    options += [f"-D{name}" for name in spec.DEFINES]
     options += [f"-I{d}" for d in tc.include_dirs]
     if spec.USES_NVSHMEM:
         options += ["-rdc=true", f"-I{nvshmem().include_dir}"]

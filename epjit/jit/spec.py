@@ -69,6 +69,12 @@ class KernelSpec:
     """Base of every kernel family's spec. Subclasses are frozen dataclasses and set the class variables."""
 
     SOURCE: ClassVar[str]  # file in cuda_src/ holding the templates
+    # A build variant of SOURCE: macros defined for the whole compile (``-DNAME``, which the source tests with
+    # ``defined(NAME)``), and the name the build goes by in cache files and logs (default: SOURCE's stem). The
+    # variant is the spec's to choose, so one source file serves every build of a family and the cache key sees the
+    # defines among the options.
+    DEFINES: ClassVar[tuple[str, ...]] = ()
+    BUILD: ClassVar[str] = ""
     # kernel template name -> ((argument name, C type), ...) in signature order
     KERNELS: ClassVar[dict[str, tuple[tuple[str, str], ...]]]
     USES_NVSHMEM: ClassVar[bool] = False
@@ -81,7 +87,7 @@ class KernelSpec:
     def family(self) -> str:
         """Readable module name for cache files and logs: ``barrier.num_nvl_ranks=4``."""
         params = ",".join(f"{f.name}={render_value(getattr(self, f.name))}" for f in dataclasses.fields(self))
-        stem = PurePath(self.SOURCE).stem
+        stem = self.BUILD or PurePath(self.SOURCE).stem
         return f"{stem}.{params}" if params else stem
 
     def template_args(self) -> str:

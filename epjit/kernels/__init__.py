@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .._version import __version__
 from ..env import codegen_settings, settings
-from ..jit import JitConfig, KernelSpec
+from ..jit import JitConfig, KernelSet, KernelSpec
 from .foundation import BarrierSpec, PutSignalCheckSpec
 from .internode import (
     InternodeNotifySpec,
@@ -40,6 +40,7 @@ __all__ = [
     "internode_spec",
     "intranode_spec",
     "jit_config",
+    "kernel_set",
 ]
 
 
@@ -61,6 +62,12 @@ def jit_config() -> JitConfig:
     s = settings()
     return JitConfig(source_dir=cuda_sources(), cache_dir=s.cache_dir, version=__version__, arch=s.arch,
                      key_extra=tuple(sorted(codegen_settings().items())))
+
+
+def kernel_set() -> KernelSet:
+    """The product's modules for `python -m epjit.jit --check`, with epjit's configuration: the entry ``epjit`` of
+    the group epjit.jit.specs (pyproject.toml), through which the JIT layer finds them."""
+    return KernelSet(jit_config(), check_specs())
 
 
 def check_specs() -> list[KernelSpec]:

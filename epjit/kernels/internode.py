@@ -117,19 +117,22 @@ class InternodeSpec(KernelSpec):
 
 @dataclass(frozen=True)
 class InternodeNotifyStoresSpec(InternodeNotifySpec):
-    """cuda_src/internode_stores.cu's notify: the RDMA leg as NVLink stores (cuda_src/rdma.cuh), for virtual nodes
-    on one host whose symmetric region is CUDA IPC memory. No NVSHMEM library."""
+    """cuda_src/internode.cu's notify built with the RDMA leg as NVLink stores (EPJIT_RDMA_BY_STORES:
+    cuda_src/rdma.cuh), for virtual nodes on one host whose symmetric region is CUDA IPC memory. No NVSHMEM
+    library."""
 
-    SOURCE = "internode_stores.cu"
+    DEFINES = ("EPJIT_RDMA_BY_STORES",)
+    BUILD = "internode_stores"
     USES_NVSHMEM = False
 
 
 @dataclass(frozen=True)
 class InternodeStoresSpec(InternodeSpec):
-    """cuda_src/internode_stores.cu's dispatch and combine: InternodeSpec's kernels with the RDMA leg as NVLink
-    stores. No NVSHMEM library."""
+    """cuda_src/internode.cu's dispatch and combine: InternodeSpec's kernels built with the RDMA leg as NVLink
+    stores (EPJIT_RDMA_BY_STORES). No NVSHMEM library."""
 
-    SOURCE = "internode_stores.cu"
+    DEFINES = ("EPJIT_RDMA_BY_STORES",)
+    BUILD = "internode_stores"
     USES_NVSHMEM = False
 
 

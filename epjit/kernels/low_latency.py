@@ -46,21 +46,23 @@ class LowLatencySpec(KernelSpec):
 
 @dataclass(frozen=True)
 class LowLatencyPutsSpec(LowLatencySpec):
-    """cuda_src/low_latency_puts.cu: the same kernels linked with NVSHMEM's device library (-rdc), for a peer
-    without an NVLink pointer or forced puts. LowLatencySpec's build has no put path and no library, and every
-    launch of it is cheaper, with a smaller stack (docs/history.md, "The NVSHMEM-free build")."""
+    """cuda_src/low_latency.cu built with its put path (EPJIT_LL_PUTS) and linked with NVSHMEM's device library
+    (-rdc), for a peer without an NVLink pointer or forced puts. LowLatencySpec's build has no put path and no
+    library, and every launch of it is cheaper, with a smaller stack (docs/history.md, "The NVSHMEM-free build")."""
 
-    SOURCE = "low_latency_puts.cu"
+    DEFINES = ("EPJIT_LL_PUTS",)
+    BUILD = "low_latency_puts"
     USES_NVSHMEM = True
 
 
 @dataclass(frozen=True)
 class LowLatencyStoresSpec(LowLatencySpec):
-    """cuda_src/low_latency_stores.cu: the same kernels with their put path as NVLink stores (no NVSHMEM library),
-    for forced puts on a symmetric region of CUDA IPC memory (EPJIT_RDMA_BY_STORES with EPJIT_LL_FORCE_PUTS): the
-    put path's staging and ordering run, and compute-sanitizer can check them."""
+    """cuda_src/low_latency.cu built with its put path as NVLink stores (EPJIT_RDMA_BY_STORES, no NVSHMEM library),
+    for forced puts on a symmetric region of CUDA IPC memory (the setting EPJIT_RDMA_BY_STORES with
+    EPJIT_LL_FORCE_PUTS): the put path's staging and ordering run, and compute-sanitizer can check them."""
 
-    SOURCE = "low_latency_stores.cu"
+    DEFINES = ("EPJIT_RDMA_BY_STORES",)
+    BUILD = "low_latency_stores"
 
 
 def _align(n: int) -> int:
