@@ -29,7 +29,7 @@ def host_array(value: Any) -> np.ndarray:
         tensor = value.detach().cpu()
         if tensor.dtype == torch.bfloat16:
             return tensor.view(torch.int16).numpy().view(BF16)
-        if tensor.dtype == torch.float8_e4m3fn:
+        if tensor.dtype == getattr(torch, "float8_e4m3fn", None):  # torch < 2.1 has no FP8
             return tensor.view(torch.uint8).numpy().view(FP8)
         return tensor.numpy()
     cupy = sys.modules.get("cupy") if root == "cupy" else None
