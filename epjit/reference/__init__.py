@@ -1,12 +1,14 @@
 """NumPy reference of every epjit operation, over simulated ranks.
 
-This module is the oracle of every GPU test and the CPU backend of the examples. Every function takes the inputs of
+This package is the oracle of every GPU test and the CPU backend of the examples. Every function takes the inputs of
 *all* ranks at once, as lists indexed by rank (``xs[r]`` is what rank ``r`` would pass to ``Buffer.dispatch``), and
 returns one result per rank. It needs numpy and ml_dtypes only, and it never touches a GPU, MPI or the compiler.
 
 Inputs may be NumPy, PyTorch (any device; bf16 and float8_e4m3fn included), JAX or CuPy arrays, mixed freely: each
 is copied to the host as a NumPy array first (bf16 as ``ml_dtypes.bfloat16``, bit for bit). Outputs are NumPy
 arrays, in one record per rank and operation whose fields are named as the GPU API's (``.x`` the tokens).
+Modules: ``normal`` (layout, dispatch, combine), ``low_latency``, ``numerics`` (FP8, calc_diff), ``results`` (the
+records and constants); every public name is here.
 
 Conventions (the same as the GPU API, see docs/api.md):
 
