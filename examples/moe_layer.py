@@ -124,7 +124,7 @@ def run_reference_decode(args: argparse.Namespace, rng: np.random.Generator, rou
             n = int(d[r].recv_count[e])
             y[e, :n] = (d[r].x[e, :n].astype(np.float32) @ experts[r * per_rank + e].astype(np.float32)).astype(BF16)
         ys.append(y)
-    out = reference.low_latency_combine(ys, idx, w, [d[r].handle for r in range(num_ranks)])
+    out = [c.x for c in reference.low_latency_combine(ys, idx, w, [d[r].handle for r in range(num_ranks)])]
     worst = max(relative_error(out[r], single_device(xs[r], idx[r], w[r], experts)) for r in range(num_ranks))
     ok = worst < 2e-2
     print(f"decode (low latency): tokens per rank {counts}, max relative error {worst:.2e} -> "

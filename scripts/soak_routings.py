@@ -308,7 +308,7 @@ def expected_low_latency(setup: Setup, params: RoundParams, inputs: list[RankInp
     want = reference.low_latency_dispatch(xs, idxs, setup.ll_max_tokens, params.num_experts, use_fp8=use_fp8,
                                           round_scale=round_scale, use_ue8m0=use_ue8m0)
     ys = [ll_y_host(want[s], s, num_local) for s in range(setup.ranks)]
-    combined = reference.low_latency_combine(ys, idxs, ws, [w.handle for w in want])[rank]
+    combined = reference.low_latency_combine(ys, idxs, ws, [w.handle for w in want])[rank].x
     mine = want[rank]
     valid = np.arange(mine.src_info.shape[1])[None, :] < mine.recv_count[:, None]
     out = {"recv_count": mine.recv_count, "block_counts": reference.unpack_layout_range(mine.layout_range)[1],

@@ -124,3 +124,73 @@ def test_test_extra_pins_no_cuda_so_it_combines_with_cuda12_and_cuda13():
     assert {"cuda-bindings", "nvidia-cuda-nvrtc", "nvidia-nvjitlink", "nvidia-cuda-cccl", "nvidia-cuda-runtime",
             "nvidia-nvshmem-cu13"} <= compile13
     assert "epjit[compile13]" in extras["cuda13"]
+
+
+# What the sdist leaves out however MANIFEST.in reads: build outputs, caches and the local virtual environments.
+NOT_SOURCES = {".git", ".venv", ".device", ".whl", ".ab", "dist", "build", "__pycache__", ".pytest_cache",
+               ".ruff_cache"}
+
+
+def _source_files() -> set[str]:
+    """The files of this tree (repository-relative, POSIX), build outputs, caches and virtual environments left out."""
+    found = set()
+    for path in ROOT.rglob("*"):
+        rel = path.relative_to(ROOT)
+        if path.is_file() and not set(rel.parts) & NOT_SOURCES and not rel.parts[0].endswith(".egg-info"):
+            found.add(rel.as_posix())
+    return found
+
+
+def _sdist_files(files: set[str]) -> set[str]:
+    """Which of ``files`` the sdist holds: what setuptools adds by itself (the package, README, LICENSE,
+    pyproject.toml, MANIFEST.in) and what MANIFEST.in's include, recursive-include, graft and global-exclude lines
+    add or take."""
+    by_itself = ("README.md", "LICENSE", "pyproject.toml", "MANIFEST.in")
+    shipped = {f for f in files if f.startswith("epjit/") or f in by_itself}
+    excluded: list[str] = []
+    for line in (ROOT / "MANIFEST.in").read_text().splitlines():
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        command, args = words[0], words[1:]
+        if command == "include":
+            shipped |= {f for f in files if any(fnmatch(f, pattern) for pattern in args)}
+        elif command == "graft":
+            shipped |= {f for f in files if f.startswith(args[0].rstrip("/") + "/")}
+        elif command == "recursive-include":
+            shipped |= {f for f in files if f.startswith(args[0].rstrip("/") + "/")
+                        and any(fnmatch(f.rsplit("/", 1)[-1], pattern) for pattern in args[1:])}
+        elif command == "global-exclude":
+            excluded += args
+        else:
+            pytest.fail(f"MANIFEST.in: {command!r} is not read by this test; teach it, or use the directives it reads")
+    return {f for f in shipped if not any(fnmatch(f.rsplit("/", 1)[-1], pattern) for pattern in excluded)}
+
+
+def _needed_by_tests(files: set[str]) -> set[str]:
+    """The files that the tests (and the docs they check) name: every file under tests/, each path a test builds
+    from ROOT or names relative to the repository (``"scripts/sanitize.sh"``), whole folders where a folder is named,
+    and every relative link of the README and docs/ (a CPU test resolves them)."""
+    named: set[str] = set()
+    for source in (ROOT / "tests").rglob("*.py"):
+        text = source.read_text()
+        for parts in re.findall(r'ROOT((?:\s*/\s*"[^"{}]+")+)', text):
+            named.add("/".join(re.findall(r'"([^"]+)"', parts)))
+        named |= set(re.findall(r'"((?:scripts|examples|launch|docs|cuda_src|bench)/[\w./-]+)"', text))
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target:
+                named.add((page.parent / target).resolve().relative_to(ROOT).as_posix())
+    needed = {f for f in files if f.startswith("tests/")}
+    for name in named:
+        needed |= {f for f in files if f == name or f.startswith(name.rstrip("/") + "/")}
+    return needed
+
+
+def test_the_sdist_holds_what_its_tests_need():
+    """An unpacked sdist runs its own tests: MANIFEST.in ships every file they read, run or link to (the scripts
+    the soak tests load, the launch recipes, the result files the docs cite, ...)."""
+    files = _source_files()
+    assert {"tests/test_packaging.py", "scripts/soak_routings.py", "launch/mpirun.sh"} <= _needed_by_tests(files)
+    missing = sorted(_needed_by_tests(files) - _sdist_files(files))
+    assert not missing, f"the tests need these files but MANIFEST.in leaves them out of the sdist: {missing}"

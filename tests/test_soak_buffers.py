@@ -88,8 +88,10 @@ def test_python_growth_names_the_line_that_allocated(soak):
 
 
 def test_soak_reports_the_changes_between_its_snapshots(soak, monkeypatch):
-    """soak() around a stand-in cycle that keeps a 1 MiB anonymous map per cycle: the judged figures stay, and the
-    anonymous maps that came are listed (as new maps, or as a neighbour that grew: the kernel merges them)."""
+    """soak() around a stand-in cycle that keeps a 1 MiB anonymous map per cycle: the judged figures stay, the
+    anonymous maps are counted but not judged, and the ones that came are listed (as new maps, or as a neighbour that
+    grew: the kernel merges them). How many anonymous maps came is the allocators' business (tracemalloc, Python's
+    arenas and malloc add their own: 9 on a fresh 2-core machine), so no count is asserted."""
     import mmap
 
     kept: list[mmap.mmap] = []
@@ -115,6 +117,7 @@ def test_soak_reports_the_changes_between_its_snapshots(soak, monkeypatch):
     found = soak.soak(Group(), "stand-in", cycles=3, warmup=1, explain=True)
     assert found["cycles"] == 3 and len(kept) == 4
     assert found["change"]["gpu_free_bytes"] == 0 and found["change"]["file_maps"] == 0
-    assert found["change"]["anonymous_maps"] <= 3
+    assert "anonymous_maps" in soak.REPORTED and "anonymous_maps" not in soak.JUDGED
+    assert isinstance(found["change"]["anonymous_maps"], int)
     assert any(line.startswith("+") and "[anonymous]" in line for line in found["maps_changed"]), found
     assert any("mmap.mmap" in line for line in found["python_growth"]), found["python_growth"]

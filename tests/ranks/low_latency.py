@@ -134,7 +134,7 @@ def run_case(buf, rank: int, R: int, seed: int, counts: list[int], topk: int, ho
     if small:  # the reference's own combine, which needs every rank's y in the reference layout
         ys = [expert_outputs(want[r].src_info, want[r].layout_range, xs, r, experts) for r in range(R)]
         ref_c = reference.low_latency_combine(ys, idxs, ws, [r_.handle for r_ in want])
-        same(f"{name} combined vs reference.low_latency_combine", to_numpy(c.x), ref_c[rank])
+        same(f"{name} combined vs reference.low_latency_combine", to_numpy(c.x), ref_c[rank].x)
     out = torch.full_like(x, float("nan"))
     c2 = buf.low_latency_combine(y, idx, w, d.handle, out=out)
     sync(buf)
