@@ -2,7 +2,7 @@
 # Every benchmark docs/performance.md reports (normal mode and low latency, the copy ceilings, a profile), in one
 # call on a machine with GPUs (the protocol and the columns: docs/benchmark.md):
 #   bash scripts/gpu_bench.sh
-# python3 must import epjit, its GPU stack and PyTorch (docs/testing.md, "Helper scripts").
+# python3 must import epjit, its GPU stack and PyTorch (docs/testing.md, "Scripts").
 # One rank per GPU (EPJIT_BENCH_RANKS to choose). JSON and logs go under $OUT; a table of every row comes last.
 set -uo pipefail
 OUT=${OUT:-/tmp/epjit-out}

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU tier checks, in one call on a machine with GPUs (docs/testing.md):
 #   bash scripts/gpu_check.sh [pytest -k expression]
-# python3 must import epjit, its GPU stack and PyTorch (docs/testing.md, "Helper scripts").
+# python3 must import epjit, its GPU stack and PyTorch (docs/testing.md, "Scripts").
 # Compiles every module cold (fresh cache) and warm, runs the GPU tests, writes logs under $OUT, prints a table.
 # GPU_CHECK_WORKERS=N runs the tests in N pytest-xdist workers at once (their ranks share the GPUs), then the leak
 # tests alone: they read the GPU's free memory, which other jobs on the same GPUs move.
