@@ -176,12 +176,8 @@ def test_no_function_over_100_lines_and_buffer_under_350():
 
 
 MAX_MODULE_LINES = 600
-# Modules still past the limit while they are split into modules of their concerns.
-STILL_OVER = ("epjit/arrays.py", "epjit/bench/__init__.py", "epjit/buffer.py", "epjit/group.py", "epjit/launch.py",
-              "epjit/ops/intranode.py", "epjit/reference.py")
 
 
-@pytest.mark.xfail(strict=False, reason=f"still over {MAX_MODULE_LINES} lines: {', '.join(STILL_OVER)}")
 def test_no_python_file_of_the_package_over_600_lines():
     """A module one can hold in one's head: past 600 lines a module has grown a second concern."""
     over = [f"{path.relative_to(ROOT)}: {n} lines" for path, _ in _modules()

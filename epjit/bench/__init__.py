@@ -38,9 +38,6 @@ from .protocol import (
 )
 from .report import PLAIN_STORE_CEILING_GBS, Row, load_rows, print_summary
 
-# The names tools used before the protocol's helpers were public (scripts/host_path.py, scripts/host_timed.py).
-_graph, _host_us, _median_us, _routing, _start_together = graph, host_us, median_us, routing, start_together
-
 __all__ = [
     "LOW_LATENCY_MODES", "NORMAL_MODES", "PEERS", "PLAIN_STORE_CEILING_GBS", "Row", "base_mode", "case_config",
     "current_cupy_stream", "graph", "graph_us", "hook_halves_us", "host_us", "init_with_nccl", "load_rows", "main",
