@@ -1,5 +1,5 @@
 // Per-token FP8 (e4m3) quantisation with one float32 scale per 128 channels, bit-identical to
-// epjit/reference.py:per_token_cast_to_fp8: amax = max(max|x|, 1e-4); scale = amax / 448 (IEEE division), rounded
+// epjit/reference/numerics.py:per_token_cast_to_fp8: amax = max(max|x|, 1e-4); scale = amax / 448 (IEEE division), rounded
 // up to a power of two with round_scale; q = e4m3_satfinite(x * (1 / scale)) with a float32 multiply (no FMA).
 #pragma once
 

@@ -19,28 +19,21 @@ import json
 import os
 import pstats
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import epjit
+from epjit.bench import host_us
 
 
 def _median_us(call: Callable[[], Any], calls: int) -> float:
-    """Median wall time the host spends inside one call: the GPU is drained before each, so no call waits for an
-    earlier one's kernels."""
+    """Median wall time the host spends inside one call (epjit.bench.host_us: the GPU is drained before each, so no
+    call waits for an earlier one's kernels), after 50 calls to warm the plans and caches."""
     for _ in range(50):
         call()
-    times = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - start) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
+    return host_us(call, calls)
 
 
 def _after_counts_us(buf: Any, call: Callable[[], Any], calls: int, detail: dict[str, float],

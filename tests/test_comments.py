@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("epjit", "cuda_src", "scripts", "tests")
 SKIPPED_DIRS = {"__pycache__", "build", "dist", "node_modules"}
 # Names that stand for a file of the user's, or of a format, not one of this repository.
-NOT_OURS = {"script.py", "out.json", "entry_points.txt"}
+NOT_OURS = {"script.py", "out.json", "entry_points.txt",
+            "page.md", "xN-what.json", "-2.json"}  # the last three: patterns test_docs_and_tools.py describes
 # Dotted names that look like modules but are not: the JIT layer's entry-point group.
 NOT_MODULES = {GROUP}
 
