@@ -82,7 +82,8 @@ DEEPEP_SIGNATURES = {
     (Buffer, "__init__"): [("group", REQUIRED), ("num_nvl_bytes", 0), ("num_rdma_bytes", 0),
                            ("low_latency_mode", False), ("num_qps_per_rank", 24),
                            ("allow_nvlink_for_low_latency_mode", True), ("allow_mnnvl", False),
-                           ("explicitly_destroy", False), ("enable_shrink", False), ("comm", None)],
+                           ("use_fabric", False), ("explicitly_destroy", False), ("enable_shrink", False),
+                           ("comm", None)],
     (Buffer, "destroy"): [],
     (Buffer, "is_sm90_compiled"): [],
     (Buffer, "set_num_sms"): [("new_num_sms", REQUIRED)],
@@ -310,12 +311,17 @@ def test_construction_makes_a_normal_buffer_or_waits_for_the_low_latency_sizes(m
     assert (b.group, b.rank, b.group_size, b.num_nvl_bytes, b.low_latency_mode) == (pg, 1, 2, 1 << 20, False)
     assert len(made) == 1 and made[0].kwargs == {"num_nvl_bytes": 1 << 20, "num_rdma_bytes": 0}
     ll = Buffer(pg, 0, 4096, low_latency_mode=True, num_qps_per_rank=12, allow_nvlink_for_low_latency_mode=False,
-                allow_mnnvl=True, explicitly_destroy=True)
+                allow_mnnvl=True, use_fabric=False, explicitly_destroy=True)
     assert len(made) == 1 and ll.num_rdma_bytes == 4096  # the low-latency Buffer comes with the first call
     both = Buffer(pg, 1 << 20, 4096, low_latency_mode=True)
     assert len(made) == 2 and both._normal is made[1]
     with pytest.raises(NotImplementedError, match=r"enable_shrink=True is not available .*rank masking"):
         Buffer(pg, 1 << 20, enable_shrink=True)
+    with pytest.raises(NotImplementedError, match=r"^use_fabric=True is not available .*IPC handles, not fabric"):
+        Buffer(pg, 1 << 20, use_fabric=True)
+    with pytest.raises(ArgumentTypeError, match="use_fabric must be True or False"):
+        Buffer(pg, 1 << 20, use_fabric="no")
+    assert len(made) == 2  # refused before any epjit Buffer
     with pytest.raises(ArgumentTypeError, match="low_latency_mode must be True or False"):
         Buffer(pg, 1 << 20, low_latency_mode="False")
     monkeypatch.undo()

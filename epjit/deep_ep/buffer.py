@@ -142,9 +142,15 @@ class Buffer:
     def __init__(self, group: Any, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Any = None) -> None:
+                 use_fabric: bool = False, explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm: Any = None) -> None:
         # num_qps_per_rank, allow_nvlink_for_low_latency_mode and allow_mnnvl tune DeepEP's IBGDA and NVSHMEM
         # transports; epjit picks NVLink stores or NVSHMEM puts itself, so they are accepted and unused.
+        if check_flag(use_fabric, "use_fabric"):
+            # DeepEP's use_fabric shares its NVLink buffer through CUDA fabric handles (multi-node NVLink) instead
+            # of CUDA IPC handles; epjit's NVLink buffer is shared through CUDA IPC handles only.
+            raise _unsupported("use_fabric=True", "epjit shares its NVLink buffer through CUDA IPC handles, not "
+                                                  "fabric handles")
         if check_flag(enable_shrink, "enable_shrink"):
             raise _unsupported("enable_shrink=True", "epjit has no rank masking")
         self.num_nvl_bytes = check_int(num_nvl_bytes, "num_nvl_bytes")
