@@ -411,6 +411,50 @@ def test_dispatch_fp8_returns_a_pair_and_a_handle_replays_the_routing(made):
         b.dispatch(fp8, handle=("a", "tuple"))
 
 
+def test_dispatch_copies_column_major_fp8_scales_row_major(made, monkeypatch):
+    """DeepGEMM-style quantisers hand over scales as a column-major view; DeepEP reads them through their strides,
+    epjit's kernels row-major: a row-major copy goes to epjit, ordered after previous_event where one is given."""
+    torch = needs_torch()
+    waits = []
+
+    class RecordingHandle:  # EventHandle, without a GPU: records the waits and the event after the copy
+        def __init__(self):
+            self.event = "after the copy"
+
+        @classmethod
+        def of(cls, event):
+            handle = cls.__new__(cls)
+            handle.event = event
+            return handle
+
+        def current_stream_wait(self):
+            waits.append(self.event)
+
+    monkeypatch.setattr(buffer_module, "EventHandle", RecordingHandle)
+    b = Buffer(object(), 1 << 20)
+    inner = made[0]
+    per_rank, _, per_expert, in_rank, _ = b.get_dispatch_layout(_ints(7, 4), 16)
+    tokens = torch.zeros((7, 256), dtype=torch.uint8)
+    scales = torch.rand((7, 2)).T.contiguous().T
+    assert scales.stride() == (1, 7)
+    *_, handle, _ = b.dispatch((tokens, scales), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert)
+    sent = inner.calls[-1][1][0]
+    assert sent[0] is tokens and sent[1].is_contiguous() and torch.equal(sent[1], scales)
+    assert inner.calls[-1][2]["previous_event"] is None and not waits
+    previous = Event(None, 0)
+    b.dispatch((tokens, scales), handle=handle, previous_event=EventOverlap(EventHandle.of(previous)))
+    sent, kw = inner.calls[-1][1][0], inner.calls[-1][2]
+    assert sent[1].is_contiguous() and torch.equal(sent[1], scales)
+    assert waits == [previous] and kw["previous_event"] == "after the copy"  # the copy after it, the call after both
+    for other in (torch.rand((7, 4))[:, ::2], torch.rand((2, 7)).T[:, :1].expand(7, 2)):  # left to epjit's checks
+        b.dispatch((tokens, other), handle=handle)
+        assert inner.calls[-1][1][0][1] is other
+    row_major = torch.rand((7, 2))
+    b.dispatch((tokens, row_major), handle=handle)
+    assert inner.calls[-1][1][0][1] is row_major and waits == [previous]
+
+
 def test_combine_maps_onto_epjits_combine(made):
     b = Buffer(object(), 1 << 20)
     inner = made[0]

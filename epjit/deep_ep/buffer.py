@@ -22,8 +22,15 @@ from ..config import get_combine_config as epjit_combine_config
 from ..config import get_dispatch_config as epjit_dispatch_config
 from ..errors import ArgumentError, ArgumentTypeError, EpjitError, check_flag, check_int, with_rank
 from ..ops.layout import DispatchLayout
+from ..ops.streams import Event
 from .config import Config, epjit_config
-from .scales import check_ue8m0_hidden, deepgemm_scales, empty_deepgemm_scales, fill_deepgemm_scales
+from .scales import (
+    check_ue8m0_hidden,
+    deepgemm_scales,
+    empty_deepgemm_scales,
+    fill_deepgemm_scales,
+    is_column_major_scales,
+)
 from .utils import EventHandle, EventOverlap, event_on, overlap_of, previous_event_of
 
 DEFAULT_NUM_SMS = 24  # epjit's measured default channel count (DeepEP's is 20: docs/deep_ep.md)
@@ -76,6 +83,19 @@ def _async_or_hook(async_finish: Any, return_recv_hook: Any, call: str) -> bool:
         raise ArgumentError(with_rank(f"{call}: async_finish=True and return_recv_hook=True cannot be combined (as in "
                                       "DeepEP): call the hook, then use the results on that stream"))
     return async_finish
+
+
+def _row_major_scales(x: tuple[Any, ...], previous: Event | None) -> tuple[tuple[Any, ...], Event | None]:
+    """An FP8 dispatch's ``(tokens, scales)`` with column-major scales (DeepEP reads them through their strides)
+    as epjit's kernels take it: a row-major copy of the scales, made on torch's current stream, which the call is
+    ordered after. With a previous_event the copy waits for it (the current stream does), and the call is ordered
+    after the copy instead. Any other x is returned as it is (epjit checks it)."""
+    if not is_column_major_scales(x):
+        return x, previous
+    if previous is not None:
+        EventHandle.of(previous).current_stream_wait()  # the scales may be written by the work before the event
+    copied = (x[0], x[1].contiguous())
+    return copied, (EventHandle().event if previous is not None else None)
 
 
 class NormalHandle:
@@ -317,6 +337,8 @@ class Buffer:
         event)."""
         normal = self._normal_buffer()
         previous = previous_event_of(previous_event)
+        if type(x) is tuple:
+            x, previous = _row_major_scales(x, previous)
         if handle is not None:
             if topk_idx is not None or topk_weights is not None:
                 raise ArgumentError(with_rank("dispatch with a handle replays its routing: topk_idx and topk_weights "

@@ -1,4 +1,5 @@
-"""Low-latency FP8 scales from epjit's layout to the one DeepEP returns (DeepGEMM's), with torch ops.
+"""Low-latency FP8 scales from epjit's layout to the one DeepEP returns (DeepGEMM's), with torch ops; and normal-mode
+FP8 input scales in DeepGEMM's column-major layout made row-major, as epjit's kernels read them.
 
 epjit returns ``x_scales`` row-major: ``[L, R*M, H/128]`` float32, or uint8 exponents with ``use_ue8m0``.
 DeepEP returns the same logical shape with the last two dimensions column-major (token-major in memory: all rows of
@@ -53,3 +54,15 @@ def fill_deepgemm_scales(out: Any, scales: Any, use_ue8m0: bool) -> Any:
 def deepgemm_scales(scales: Any, use_ue8m0: bool) -> Any:
     """epjit's low-latency ``x_scales`` in DeepEP's layout (a new tensor, written on the current stream)."""
     return fill_deepgemm_scales(empty_deepgemm_scales(scales, use_ue8m0), scales, use_ue8m0)
+
+
+def is_column_major_scales(x: Any) -> bool:
+    """Whether a normal-mode dispatch's ``x`` is an FP8 pair ``(tokens, scales)`` whose scales are a column-major
+    torch view: ``[N, G]`` with strides ``(1, N)`` (``scales.T.contiguous().T``, what DeepGEMM-style per-token-group
+    quantisers hand over). DeepEP's kernels read the scales through their strides; epjit's read them row-major."""
+    if len(x) != 2:
+        return False
+    scales, torch = x[1], sys.modules.get("torch")
+    if torch is None or not isinstance(scales, torch.Tensor) or scales.dim() != 2:
+        return False
+    return scales.stride() == (1, scales.shape[0]) and not scales.is_contiguous()
