@@ -271,7 +271,11 @@ class FakeEpjitBuffer:
 
     def get_next_low_latency_combine_buffer(self, handle):
         self._record("get_next_low_latency_combine_buffer", handle)
-        return "combine_buffer"
+        if not hasattr(self, "combine_buffer"):
+            r = self.group.size
+            shape = (handle.num_experts // r, r * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+            self.combine_buffer = np.zeros(shape, np.float32)
+        return self.combine_buffer.view()  # a new object over the same memory each call, as epjit's
 
     def clean_low_latency_buffer(self, *args):
         self._record("clean_low_latency_buffer", *args)
@@ -544,16 +548,40 @@ def test_low_latency_arguments_map_onto_epjits(made):
     assert (kw["use_fp8"], kw["round_scale"], kw["use_ue8m0"], kw["async_finish"], kw["return_recv_hook"]) == (
         False, False, False, True, False)
     assert isinstance(event.event, EventHandle)
-    y, w, out = np.zeros((4, 64, 256)), np.zeros((3, 4), np.float32), np.zeros((3, 256))
+    y = b.get_next_low_latency_combine_buffer(handle)
+    assert inner.calls[-1] == ("get_next_low_latency_combine_buffer", (handle.handle,), {})
+    w, out = np.zeros((3, 4), np.float32), np.zeros((3, 256))
     combined, event, hook = b.low_latency_combine(y, idx, w, handle, zero_copy=True, return_recv_hook=True, out=out)
     name, args, kw = inner.calls[-1]
     assert args == (y, idx, w, handle.handle)
     assert kw == {"zero_copy": True, "out": out, "return_recv_hook": True, "async_finish": False}
     assert (combined, event.event, hook) == ("combined_x", None, None)
-    assert b.get_next_low_latency_combine_buffer(handle) == "combine_buffer"
-    assert inner.calls[-1] == ("get_next_low_latency_combine_buffer", (handle.handle,), {})
+    mine = np.ones((4, 64, 256), np.float32)
+    b.low_latency_combine(mine, idx, w, handle)
+    assert inner.calls[-1][1][0] is mine
     with pytest.raises(ArgumentError, match="low_latency_combine: handle must be the handle a low_latency_dispatch"):
         b.low_latency_combine(y, idx, w, ("src_info", "layout_range", 32, 256, 8))
+
+
+def test_zero_copy_combine_sends_the_buffer_whatever_x_it_is_given(made):
+    """DeepEP's zero_copy=True combine sends what the caller wrote into get_next_low_latency_combine_buffer's
+    buffer and reads only x's shape and dtype (its own test passes the tensor it copied from)."""
+    b = Buffer(object(), 0, 0, low_latency_mode=True)
+    idx, w = _ints(3, 4), np.zeros((3, 4), np.float32)
+    _, _, handle, _, _ = b.low_latency_dispatch(np.zeros((3, 256)), idx, 32, 8, use_fp8=False)
+    inner = made[0]
+    expert_outputs = np.ones((4, 64, 256), np.float32)
+    b.get_next_low_latency_combine_buffer(handle)[:] = expert_outputs
+    b.low_latency_combine(expert_outputs, idx, w, handle, zero_copy=True)
+    (_, args, kw), fetched = inner.calls[-1], inner.calls[-2]
+    assert fetched == ("get_next_low_latency_combine_buffer", (handle.handle,), {})
+    assert args[0] is not expert_outputs and np.shares_memory(args[0], inner.combine_buffer) and kw["zero_copy"]
+    for wrong in (np.ones((4, 64, 128), np.float32), np.ones((4, 64, 256)), "x"):
+        with pytest.raises(ArgumentError, match=r"zero_copy=True sends the buffer .* x must have its shape "
+                                                r"\(4, 64, 256\) and dtype float32, got"):
+            b.low_latency_combine(wrong, idx, w, handle, zero_copy=True)
+    with pytest.raises(ArgumentTypeError, match="zero_copy must be True or False"):
+        b.low_latency_combine(expert_outputs, idx, w, handle, zero_copy="yes")
 
 
 def test_what_epjit_lacks_is_refused_by_name(made):

@@ -186,6 +186,7 @@ class Buffer:
         self._layouts: collections.OrderedDict[int, Any] = collections.OrderedDict()
         self._configs: dict[tuple[str, int], EpjitConfig] = {}
         self._torch_streams: dict[int, Any] = {}
+        self._combine_buffers: collections.deque[Any] = collections.deque(maxlen=2)  # the last ones handed out
         self._destroyed = False
         self._normal: Any = None
         if self.num_nvl_bytes or not self.low_latency_mode:
@@ -204,6 +205,7 @@ class Buffer:
             return
         self._destroyed = True
         ll, normal, self._ll, self._normal = self._ll, self._normal, None, None
+        self._combine_buffers.clear()
         try:
             if ll is not None:
                 ll.close()
@@ -475,17 +477,36 @@ class Buffer:
             raise _unsupported("combine_wait_recv_cost_stats", "epjit's kernels do not time their waits")
         async_finish = _async_or_hook(async_finish, return_recv_hook, "low_latency_combine")
         ll = self._ll if self._ll is not None else self._made_low_latency()
-        c = ll.low_latency_combine(x, topk_idx, topk_weights, _epjit_handle(handle, LowLatencyHandle,
-                                                                            "low_latency_combine"),
-                                   zero_copy=zero_copy, out=out, return_recv_hook=return_recv_hook,
-                                   async_finish=async_finish)
+        inner = _epjit_handle(handle, LowLatencyHandle, "low_latency_combine")
+        if zero_copy is not False and check_flag(zero_copy, "zero_copy"):
+            x = self._zero_copy_input(ll, x, inner)
+        c = ll.low_latency_combine(x, topk_idx, topk_weights, inner, zero_copy=zero_copy, out=out,
+                                   return_recv_hook=return_recv_hook, async_finish=async_finish)
         return c.x, overlap_of(c.event, async_finish), c.hook
 
+    def _zero_copy_input(self, ll: Any, x: Any, handle: Any) -> Any:
+        """With zero_copy=True DeepEP's combine sends what the caller wrote into the buffer
+        get_next_low_latency_combine_buffer returned, and reads nothing of x but its shape and dtype: so epjit's
+        combine is given that buffer (the same memory, whichever tensor over it the caller passes)."""
+        if any(x is given for given in self._combine_buffers):
+            return x
+        buffer = ll.get_next_low_latency_combine_buffer(handle)
+        shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+        if shape is None or tuple(shape) != tuple(buffer.shape) or dtype != buffer.dtype:
+            raise ArgumentError(with_rank(
+                f"low_latency_combine with zero_copy=True sends the buffer get_next_low_latency_combine_buffer "
+                f"returned; x must have its shape {tuple(buffer.shape)} and dtype {buffer.dtype}, got "
+                f"{type(x).__name__} of shape {None if shape is None else tuple(shape)} and dtype {dtype}"))
+        return buffer
+
     def get_next_low_latency_combine_buffer(self, handle: Any) -> Any:
-        """A [L, R*M, H] bf16 tensor for the next low_latency_combine's x with zero_copy=True."""
+        """A [L, R*M, H] bf16 tensor to write the next low_latency_combine's expert outputs into, for
+        zero_copy=True (that combine then sends this buffer's contents, whatever x it is given)."""
         ll = self._ll if self._ll is not None else self._made_low_latency()
-        return ll.get_next_low_latency_combine_buffer(
+        buffer = ll.get_next_low_latency_combine_buffer(
             _epjit_handle(handle, LowLatencyHandle, "get_next_low_latency_combine_buffer"))
+        self._combine_buffers.append(buffer)
+        return buffer
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         raise _unsupported("low_latency_update_mask_buffer", "epjit has no rank masking (enable_shrink)")
