@@ -18,7 +18,7 @@ def _run(backend: str, n: int, env: dict[str, str], *args: str) -> list[dict]:
     results = torchrun_ranks("tests/ranks/deep_ep.py", n, backend, *args, env=env, timeout=400 if n == 2 else 550)
     for r in results:
         assert r["size"] == n and r["mismatch"] is None, r
-        assert r["cases"] == 4 + 7 and r["ll_hint_matches"], r
+        assert r["cases"] == 4 + 9 and r["ll_hint_matches"], r
     return results
 
 

@@ -4,9 +4,12 @@ framework code drives DeepEP, checked against epjit.reference.
 - Megatron-LM's fused_a2a: the buffer sized by Config's hints, ``EventOverlap(EventHandle())`` as previous_event,
   async_finish and allocate_on_comm_stream, layout then dispatch, ``current_stream_wait()``, combine with the
   received weights (dispatch's backward), and a dispatch that replays the handle (combine's backward);
-- vLLM's DeepEP high-throughput path: FP8 input (tokens, scales), default configs, no events;
+- vLLM's DeepEP high-throughput path: FP8 input (tokens, scales), the scales row-major and a column-major view,
+  default configs, no events;
 - vLLM's and SGLang's low-latency paths: a low-latency Buffer sized by get_low_latency_rdma_size_hint, FP8 with
-  plain and UE8M0 scales checked in DeepEP's layout, the receive hook, async_finish, combine into ``out``.
+  plain and UE8M0 scales checked in DeepEP's layout, the receive hook, async_finish, combine into ``out``, and
+  DeepEP's own test's zero-copy combine (the outputs written into get_next_low_latency_combine_buffer's tensor,
+  another tensor passed as x).
 
 With ``--num-nvl-ranks V`` below the ranks, the epjit group is made first with every V consecutive ranks one NVLink
 node (virtual nodes of one host), so the DeepEP Buffers run across nodes: the normal-mode one on epjit's internode
@@ -121,10 +124,11 @@ def megatron_round(buffer: Buffer, rank: int, R: int, seed: int, nvl: int | None
     same("megatron cached dispatch", to_numpy(replayed), reference.dispatch(ys, idxs, None, EXPERTS)[rank].x)
 
 
-def vllm_ht_round(buffer: Buffer, rank: int, R: int, seed: int, nvl: int | None) -> None:
-    """vLLM's DeepEPHTPrepareAndFinalize: FP8 (tokens, scales) in, default configs, async_finish=False. Across
-    nodes the configs are still get_dispatch_config(R)'s: they do not know the node size, and the internode
-    kernels take them (docs/deep_ep.md)."""
+def vllm_ht_round(buffer: Buffer, rank: int, R: int, seed: int, nvl: int | None, column_major: bool) -> None:
+    """vLLM's DeepEPHTPrepareAndFinalize: FP8 (tokens, scales) in, default configs, async_finish=False; with
+    ``column_major`` the scales a column-major view, as DeepGEMM-style quantisers hand them over. Across nodes the
+    configs are still get_dispatch_config(R)'s: they do not know the node size, and the internode kernels take them
+    (docs/deep_ep.md)."""
     xs, idxs, ws = make_inputs(seed, [64 + 7 * r for r in range(R)], HIDDEN, TOPK, EXPERTS, 0.2)
     cast = [reference.per_token_cast_to_fp8(x_) for x_ in xs]
     qs, scales = [c[0] for c in cast], [c[1] for c in cast]
@@ -133,7 +137,10 @@ def vllm_ht_round(buffer: Buffer, rank: int, R: int, seed: int, nvl: int | None)
     per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(
         topk_idx=idx, num_experts=EXPERTS, previous_event=None, async_finish=False, allocate_on_comm_stream=False)
     check_layout("vllm", per_rank, per_rdma, idxs[rank], R, nvl)
-    token_data = (to_torch(qs[rank]).view(torch.float8_e4m3fn), to_torch(scales[rank]))
+    x_scales = to_torch(scales[rank])
+    if column_major:
+        x_scales = x_scales.T.contiguous().T
+    token_data = (to_torch(qs[rank]).view(torch.float8_e4m3fn), x_scales)
     (recv_q, recv_s), recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
         x=token_data, handle=None, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
         is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
@@ -174,8 +181,10 @@ def check_low_latency(name: str, recv, count, handle, want, use_fp8: bool, use_u
 
 
 def low_latency_round(buffer: Buffer, rank: int, R: int, seed: int, m: int, hidden: int, experts: int,
-                      use_fp8: bool, use_ue8m0: bool, hook: bool, async_finish: bool) -> None:
-    """vLLM's DeepEPLLPrepareAndFinalize (no hook, combine into out) and SGLang's (hook, or async_finish)."""
+                      use_fp8: bool, use_ue8m0: bool, hook: bool, async_finish: bool, zero_copy: bool) -> None:
+    """vLLM's DeepEPLLPrepareAndFinalize (no hook, combine into out) and SGLang's (hook, or async_finish); with
+    ``zero_copy`` DeepEP's own test's way: the expert outputs written into get_next_low_latency_combine_buffer's
+    tensor, and another tensor (zeros here: its data must not be read) passed as x."""
     xs, idxs, ws = make_inputs(seed, [m - r for r in range(R)], hidden, TOPK, experts, 0.1)
     x, idx, w = to_torch(xs[rank]), to_torch(idxs[rank]), to_torch(ws[rank])
     recv, count, handle, event, recv_hook = buffer.low_latency_dispatch(
@@ -188,13 +197,17 @@ def low_latency_round(buffer: Buffer, rank: int, R: int, seed: int, m: int, hidd
     torch.cuda.synchronize()
     want = reference.low_latency_dispatch(xs, idxs, m, experts, use_fp8=use_fp8, round_scale=use_ue8m0,
                                           use_ue8m0=use_ue8m0)
-    name = f"low latency seed={seed} fp8={use_fp8} ue8m0={use_ue8m0} hook={hook} async={async_finish}"
+    name = (f"low latency seed={seed} fp8={use_fp8} ue8m0={use_ue8m0} hook={hook} async={async_finish} "
+            f"zero_copy={zero_copy}")
     check_low_latency(name, recv, count, handle, want[rank], use_fp8, use_ue8m0)
     src_info, layout_range, *_ = handle
     y = to_torch(expert_outputs(to_numpy(src_info), to_numpy(layout_range), xs, rank, experts))
     out = torch.empty_like(x)
+    if zero_copy:
+        buffer.get_next_low_latency_combine_buffer(handle)[:, :, :] = y
+        y = torch.zeros_like(y)
     combined, event, recv_hook = buffer.low_latency_combine(y, idx, w, handle, async_finish=async_finish,
-                                                            zero_copy=False, return_recv_hook=hook, out=out)
+                                                            zero_copy=zero_copy, return_recv_hook=hook, out=out)
     if hook:
         recv_hook()
     if async_finish:
@@ -218,13 +231,13 @@ def run_rounds(buffer: Buffer, ll: Buffer, rank: int, R: int, nvl: int | None, r
     m, hidden, experts = ll_sizes(R)
     for i in range(2):
         megatron_round(buffer, rank, R, 100 + i, nvl)
-        vllm_ht_round(buffer, rank, R, 200 + i, nvl)
+        vllm_ht_round(buffer, rank, R, 200 + i, nvl, column_major=i == 1)
         result["cases"] += 2
-    for i, (fp8, ue8m0, hook, async_finish) in enumerate([(True, False, False, False), (True, True, False, False),
-                                                          (True, False, True, False), (True, True, True, False),
-                                                          (True, False, False, True), (False, False, True, False),
-                                                          (False, False, False, True)]):
-        low_latency_round(ll, rank, R, 300 + i, m, hidden, experts, fp8, ue8m0, hook, async_finish)
+    for i, (fp8, ue8m0, hook, async_finish, zero_copy) in enumerate([
+            (True, False, False, False, False), (True, True, False, False, False), (True, False, True, False, False),
+            (True, True, True, False, False), (True, False, False, True, False), (False, False, True, False, False),
+            (False, False, False, True, False), (True, False, False, False, True), (False, False, True, False, True)]):
+        low_latency_round(ll, rank, R, 300 + i, m, hidden, experts, fp8, ue8m0, hook, async_finish, zero_copy)
         result["cases"] += 1
     result["ll_hint_matches"] = ll.num_rdma_bytes == epjit.Buffer.get_low_latency_size_hint(m, hidden, R, experts)
 
@@ -253,7 +266,7 @@ def main() -> int:
     # makes this one's epjit Buffer low-latency only (num_nvl_bytes=0).
     ll = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(m, hidden, R, experts), low_latency_mode=True,
                 num_qps_per_rank=experts // R, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=True,
-                explicitly_destroy=True)
+                use_fabric=False, explicitly_destroy=True)
     try:
         run_rounds(buffer, ll, rank, R, nvl, result)
     except Mismatch as e:
