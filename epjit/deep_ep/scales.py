@@ -62,7 +62,11 @@ def is_column_major_scales(x: Any) -> bool:
     quantisers hand over). DeepEP's kernels read the scales through their strides; epjit's read them row-major."""
     if len(x) != 2:
         return False
-    scales, torch = x[1], sys.modules.get("torch")
+    scales = x[1]
+    is_contiguous = getattr(scales, "is_contiguous", None)  # torch's method: checked first, the common answer
+    if not callable(is_contiguous) or is_contiguous():
+        return False
+    torch = sys.modules.get("torch")
     if torch is None or not isinstance(scales, torch.Tensor) or scales.dim() != 2:
         return False
-    return scales.stride() == (1, scales.shape[0]) and not scales.is_contiguous()
+    return scales.stride() == (1, scales.shape[0])
