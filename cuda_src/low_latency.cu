@@ -309,6 +309,35 @@ __device__ __forceinline__ int nth_rank(const int* experts, int num_topk, int nu
     return __shfl_sync(0xffffffffu, rank, __ffs(firsts) - 1);
 }
 
+// Token t's entries in its message to rank dst (lane k: the (t, k) whose expert is on dst, its expert and its slot
+// `slots[k]`). An entry whose slot is past max_tokens is dropped and reported. Whole warp.
+struct MessageEntries {
+    int expert, slot;
+    bool entry;         // this lane's (t, k) is an entry of the message
+    unsigned entries;   // the lanes that are
+};
+
+__device__ __forceinline__ MessageEntries message_entries(const int* experts, const int* slots, int dst, int num_topk,
+                                                          int num_local, int max_tokens, int32_t* call_word,
+                                                          int lane) {
+    MessageEntries e;
+    e.expert = lane < num_topk ? experts[lane] : -1;
+    const bool on_dst = e.expert >= 0 && e.expert / num_local == dst;
+    e.slot = on_dst ? slots[lane] : 0;
+    if (on_dst && e.slot >= max_tokens) report_status(call_word, kLowLatencySlotOverflow);
+    e.entry = on_dst && e.slot < max_tokens;
+    e.entries = __ballot_sync(0xffffffffu, e.entry);
+    return e;
+}
+
+// A message's entries after its header's first int4: an int2 {local expert, slot << 4 | k} per entry lane, in lane
+// order.
+__device__ __forceinline__ void write_entries(int4* header, const MessageEntries& e, int num_local, int lane) {
+    if (e.entry)
+        reinterpret_cast<int2*>(header + 1)[__popc(e.entries & ((1u << lane) - 1))] =
+            make_int2(e.expert % num_local, e.slot << 4 | lane);
+}
+
 // Warp w of the block sends token t (staged in shared memory) to the w-th distinct rank among its experts': one
 // message into slot (me, t) of that rank, with an entry per (t, k) there (`slots`: the token's slot at each k's
 // expert). An entry whose slot is past max_tokens is dropped (and reported); a message left with no entry is not
@@ -321,20 +350,13 @@ __device__ __forceinline__ void send_to_rank(const PeersTable* peers, const LowL
     const int* experts = topk_experts + t * num_topk;
     const int dst = nth_rank(experts, num_topk, num_local, w, lane);
     if (dst < 0) return;
-    const int expert = lane < num_topk ? experts[lane] : -1;
-    const bool on_dst = expert >= 0 && expert / num_local == dst;
-    const int slot = on_dst ? slots[lane] : 0;
-    if (on_dst && slot >= max_tokens) report_status(call_word, kLowLatencySlotOverflow);
-    const bool entry = on_dst && slot < max_tokens;
-    const unsigned entries = __ballot_sync(0xffffffffu, entry);
-    if (entries == 0) return;
+    const MessageEntries e = message_entries(experts, slots, dst, num_topk, num_local, max_tokens, call_word, lane);
+    if (e.entries == 0) return;
     int4* mine = lay.dispatch_slot(peers->rank, t);
     int4* remote = force_puts ? nullptr : on_peer(peers, mine, dst);
     int4* header = remote != nullptr ? remote : lay.staging_header(t, dst);  // NVSHMEM puts read the staged one
-    if (lane == 0) ptx::st_global_L1_no_allocate_v4(header, make_int4(t, meta, __popc(entries), epoch));
-    if (entry)
-        reinterpret_cast<int2*>(header + 1)[__popc(entries & ((1u << lane) - 1))] =
-            make_int2(expert % num_local, slot << 4 | lane);
+    if (lane == 0) ptx::st_global_L1_no_allocate_v4(header, make_int4(t, meta, __popc(e.entries), epoch));
+    write_entries(header, e, num_local, lane);
     if (remote != nullptr) {
         for (int i = lane; i < payload_int4; i += 32)
             ptx::st_global_L1_no_allocate_v4(remote + kLowLatencyHeaderInt4 + i, payload[i]);
@@ -390,16 +412,9 @@ __device__ __forceinline__ void send_flagged(const PeersTable* peers, const LowL
     const int* experts = topk_experts + t * num_topk;
     const int dst = nth_rank(experts, num_topk, num_local, w, lane);
     if (dst < 0) return;
-    const int expert = lane < num_topk ? experts[lane] : -1;
-    const bool on_dst = expert >= 0 && expert / num_local == dst;
-    const int slot = on_dst ? slots[lane] : 0;
-    if (on_dst && slot >= max_tokens) report_status(call_word, kLowLatencySlotOverflow);
-    const bool entry = on_dst && slot < max_tokens;
-    const unsigned entries = __ballot_sync(0xffffffffu, entry);
-    if (lane == 0) header[0] = make_int4(t, meta, __popc(entries), epoch);
-    if (entry)
-        reinterpret_cast<int2*>(header + 1)[__popc(entries & ((1u << lane) - 1))] =
-            make_int2(expert % num_local, slot << 4 | lane);
+    const MessageEntries e = message_entries(experts, slots, dst, num_topk, num_local, max_tokens, call_word, lane);
+    if (lane == 0) header[0] = make_int4(t, meta, __popc(e.entries), epoch);  // the warp's shared scratch
+    write_entries(header, e, num_local, lane);
     const int i = messages_before(token_masks, t, dst, lane);
     int4* msg = on_peer(peers, lay.flagged_msg(peers->rank, i), dst);
     __syncwarp();
