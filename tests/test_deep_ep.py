@@ -739,3 +739,84 @@ def test_low_latency_fp8_dispatch_returns_deepeps_scales(made, use_ue8m0):
     hook()
     assert made[0].low_latency_hook_ran
     assert torch.equal(scales, deepgemm_scales(epjit_scales.add_(1), use_ue8m0))
+
+
+# ---------------------------------------------------------------------------------------------------- handles
+
+
+def _handle_ints(arrays):
+    """epjit's handle arrays as Ints in one int32 allocation (NumPy here, CuPy on a GPU), in the given order."""
+    from epjit.ops.normal import Ints
+
+    flat = [np.asarray(a, np.int32) for a in arrays]
+    owner = np.concatenate([a.reshape(-1) for a in flat])
+    offsets = np.cumsum([0] + [a.size for a in flat])[:-1]
+    return tuple(Ints(owner, int(o), a.shape, 0) for o, a in zip(offsets, flat, strict=True))
+
+
+def test_the_intranode_handle_is_deepeps_six_tuple():
+    torch = needs_torch()
+    from epjit.ops.normal import DispatchHandle
+
+    counts = np.array([[1, 2], [3, 0]])  # [src, dst] tokens
+    rank_prefix = np.cumsum(counts, axis=0)
+    channel_prefix, recv_offset = np.array([[0, 1], [1, 2]]), np.array([[0, 0], [1, 2]])
+    send_head = np.array([[0, -1], [-2, 1], [1, -3]])  # epjit's -(next)-1 where a token was not sent
+    recv_src = np.array([2, 0, 1, 2, 9])  # one row more than received: a worst-token handle's capacity
+    in_rank = np.array([[True, False], [False, True], [True, True]])
+    ints = _handle_ints([rank_prefix, channel_prefix, recv_offset, send_head, recv_src, [0]])
+    h = NormalHandle(DispatchHandle(ints, 0, in_rank, 4, 4, plan=None))
+    assert len(h) == 6 and h.names()[0] == "rank_prefix_matrix"
+    rpm, cpm, rcpm, src_idx, itr, head = h  # unpacks as DeepEP's
+    assert rpm is h[0] and h[-1] is head  # made once, on the first read
+    assert rpm.tolist() == [[1, 2], [4, 2]] and rpm.dtype == torch.int32
+    assert cpm.tolist() == channel_prefix.tolist() and rcpm.tolist() == recv_offset.tolist()
+    assert src_idx.tolist() == [2, 0, 1, 2]
+    assert itr.tolist() == in_rank.tolist()
+    assert head.tolist() == [[0, -1], [-1, 1], [1, -1]]  # DeepEP's dispatch leaves -1 where nothing was sent
+    assert h[0:2] == (rpm, cpm)
+
+
+def test_the_internode_handle_is_deepeps_ten_tuple():
+    torch = needs_torch()
+    from epjit.ops.internode import HANDLE_INTS, InternodeHandle
+
+    # 2 nodes, 2 channels, 4 ranks; rows received from the ranks 3, 1, 0, 2; forwarded tokens per (node, channel).
+    arrays = {
+        "channel_prefix_matrix": [[1, 2], [0, 1], [2, 2], [1, 3]],
+        "rdma_channel_prefix": [[1, 3], [3, 5]],
+        "recv_rank_prefix": [0, 3, 4, 4, 6],
+        "fwd_node_prefix": [0, 5],
+        "recv_channel_offset": [[0, 1], [3, 3], [4, 4], [4, 5]],
+        "recv_channel_count": [[1, 2], [0, 1], [0, 0], [1, 1]],
+        "send_rdma_head": [[0, -1], [-1, 0], [1, 1]],
+        "recv_rdma_channel": [[[0, 2], [2, 3]], [[5, 1], [6, 3]]],  # first forwarded index, count
+        "send_nvl_head": [[0, -2]] * 9,
+        "recv_src_idx": [0] * 6,
+        "status": [0],
+        "saved_counts": [0] * 8,
+    }
+    in_rank = np.ones((3, 4), bool)
+    ints = _handle_ints([arrays[name] for name in HANDLE_INTS])
+    h = NormalHandle(InternodeHandle(ints, 0, in_rank, 6, 6, plan=None, num_forwarded=9))
+    assert len(h) == 10 and h.names()[-4] == "recv_gbl_rank_prefix_sum"
+    (itr, rdma_cpm, gbl_cpm, recv_rdma_cpm, recv_rdma_prefix, recv_gbl_cpm, recv_gbl_prefix, src_meta, rdma_head,
+     nvl_head) = h
+    assert itr.tolist() == in_rank.tolist()
+    assert rdma_cpm.tolist() == arrays["rdma_channel_prefix"] and gbl_cpm.tolist() == arrays["channel_prefix_matrix"]
+    assert recv_rdma_cpm.tolist() == [[2, 5], [1, 4]] and recv_rdma_cpm.dtype == torch.int32  # end, in its node's
+    assert recv_rdma_prefix.tolist() == [5, 9] and recv_rdma_prefix.dtype == torch.int32  # inclusive over nodes
+    assert recv_gbl_cpm.tolist() == arrays["recv_channel_offset"]
+    assert h[-4] is recv_gbl_prefix and recv_gbl_prefix.tolist() == [3, 4, 4, 6]  # inclusive over source ranks
+    assert src_meta is None  # no counterpart in epjit (docs/deep_ep.md)
+    assert rdma_head.tolist() == [[0, -1], [-1, 0], [1, 1]] and nvl_head.tolist() == [[0, -1]] * 9
+
+
+def test_install_passes_its_node_size_to_the_group(clean_modules, monkeypatch):
+    seen = []
+    monkeypatch.setattr("epjit.group.init", lambda **kw: seen.append(kw) or "group")
+    deep_ep_api.install(num_nvl_ranks=2)
+    assert buffer_module._make_group("torch-group", None) == "group"
+    deep_ep_api.uninstall()
+    buffer_module._make_group(None, "comm")
+    assert seen == [{"torch_group": "torch-group", "num_nvl_ranks": 2}, {"comm": "comm", "num_nvl_ranks": None}]

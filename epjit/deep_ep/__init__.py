@@ -17,17 +17,21 @@ from typing import Any
 
 from ..errors import SetupError, with_rank
 from . import utils
-from .buffer import Buffer, LowLatencyHandle, NormalHandle
+from .buffer import Buffer, LowLatencyHandle, set_num_nvl_ranks
 from .config import Config
+from .handles import NormalHandle
 from .utils import EventHandle, EventOverlap
 
 # The module names DeepEP's users import, and what install() makes each of them.
 ALIASES = {"deep_ep": __name__, "deep_ep.utils": utils.__name__}
 
 
-def install() -> None:
+def install(num_nvl_ranks: int | None = None) -> None:
     """Make ``import deep_ep`` and ``import deep_ep.utils`` give epjit's modules (sys.modules entries). Refuses,
-    changing nothing, where a real DeepEP is already imported: its objects would be mixed with these."""
+    changing nothing, where a real DeepEP is already imported: its objects would be mixed with these.
+    ``num_nvl_ranks``: the NVLink node size of the epjit group a Buffer makes from its torch group or communicator
+    (``epjit.init``'s argument; None, the default: the ranks of a host), e.g. 2 to run 4 ranks of one host as two
+    virtual nodes."""
     for alias, target in ALIASES.items():
         found = sys.modules.get(alias)
         if found is not None and found is not sys.modules[target]:
@@ -35,12 +39,15 @@ def install() -> None:
             raise SetupError(with_rank(
                 f"a module {alias!r} is already imported ({where}): epjit.deep_ep.install() must run before "
                 "anything imports DeepEP, in a process that is to use epjit in its place"))
+    set_num_nvl_ranks(num_nvl_ranks)
     for alias, target in ALIASES.items():
         sys.modules[alias] = sys.modules[target]
 
 
 def uninstall() -> None:
-    """Undo :func:`install` (the aliases only; a module that imported ``deep_ep`` keeps what it got)."""
+    """Undo :func:`install` (the aliases, and its num_nvl_ranks; a module that imported ``deep_ep`` keeps what it
+    got)."""
+    set_num_nvl_ranks(None)
     for alias, target in ALIASES.items():
         if sys.modules.get(alias) is sys.modules[target]:
             del sys.modules[alias]

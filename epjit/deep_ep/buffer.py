@@ -24,6 +24,7 @@ from ..errors import ArgumentError, ArgumentTypeError, EpjitError, check_flag, c
 from ..ops.layout import DispatchLayout
 from ..ops.streams import Event
 from .config import Config, epjit_config
+from .handles import NormalHandle
 from .scales import (
     check_ue8m0_hidden,
     deepgemm_scales,
@@ -37,6 +38,17 @@ DEFAULT_NUM_SMS = 24  # epjit's measured default channel count (DeepEP's is 20: 
 LAYOUTS_KEPT = 4  # layouts get_dispatch_layout made that dispatch can still recognise (usually the last one)
 
 
+# The NVLink node size the epjit group is made with from DeepEP's group (install(num_nvl_ranks=...)); None:
+# epjit.init's default, the ranks of a host.
+_num_nvl_ranks: int | None = None
+
+
+def set_num_nvl_ranks(num_nvl_ranks: int | None) -> None:
+    """The ``num_nvl_ranks`` every later Buffer passes to ``epjit.init`` (None: the ranks of a host)."""
+    global _num_nvl_ranks
+    _num_nvl_ranks = None if num_nvl_ranks is None else check_int(num_nvl_ranks, "num_nvl_ranks", 1)
+
+
 def _make_group(group: Any, comm: Any) -> Any:
     """The epjit Group over DeepEP's ``group`` (a torch ProcessGroup) or ``comm`` (an mpi4py communicator)."""
     from ..group import Group, init
@@ -44,9 +56,9 @@ def _make_group(group: Any, comm: Any) -> Any:
     if isinstance(group, Group):
         return group
     if group is not None:
-        return init(torch_group=group)
+        return init(torch_group=group, num_nvl_ranks=_num_nvl_ranks)
     if comm is not None:
-        return init(comm=comm)
+        return init(comm=comm, num_nvl_ranks=_num_nvl_ranks)
     raise ArgumentError(with_rank("Buffer needs group (a torch ProcessGroup) or comm (an mpi4py communicator), "
                                   "got neither"))
 
@@ -96,19 +108,6 @@ def _row_major_scales(x: tuple[Any, ...], previous: Event | None) -> tuple[tuple
         EventHandle.of(previous).current_stream_wait()  # the scales may be written by the work before the event
     copied = (x[0], x[1].contiguous())
     return copied, (EventHandle().event if previous is not None else None)
-
-
-class NormalHandle:
-    """What ``dispatch`` returns as its handle, for ``combine`` and a cached ``dispatch``: it holds epjit's
-    :class:`~epjit.DispatchHandle` (``.handle``). Not DeepEP's tuple of tensors: pass it back as it is."""
-
-    __slots__ = ("handle",)
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    def __repr__(self) -> str:
-        return f"NormalHandle({self.handle!r})"
 
 
 class LowLatencyHandle:
