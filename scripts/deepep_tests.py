@@ -1,11 +1,11 @@
-"""Run DeepEP V1's own test scripts (tests/test_intranode.py, test_low_latency.py, test_internode.py of a DeepEP
-checkout) on epjit through ``epjit.deep_ep.install()``, one rank a GPU, and print one PASS/FAIL line a script.
+"""Run DeepEP V1's own test scripts (the intranode, low-latency and internode scripts in a DeepEP checkout's tests/)
+on epjit through ``epjit.deep_ep.install()``, one rank a GPU, and print one PASS/FAIL line a script.
 
     python scripts/deepep_tests.py --source /path/to/DeepEP [--gpus 4] [--small] [--only internode] [--timeout 900]
 
 The checkout's tests/ is copied to a temporary directory and changed only where a test cannot hold for another
 library (docs/deep_ep.md lists the changes, SUBSTITUTIONS below): its ``bench_kineto`` finds epjit's kernels
-instead of DeepEP's by name, and test_internode.py's asserts of 8 GPUs a node go, so that it runs as virtual nodes
+instead of DeepEP's by name, and the internode script's asserts of 8 GPUs a node go, so that it runs as virtual nodes
 of one host (2 nodes of GPUs/2). ``import deep_ep`` resolves in every rank to a generated module that installs
 epjit.deep_ep (with the node size across virtual nodes). No DeepEP build is used. The source defaults to
 $DEEPEP_SOURCE. Also imported by the copied tests (its ``bench_kineto``) and by tests/test_deepep_tests.py.

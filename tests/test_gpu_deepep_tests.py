@@ -1,6 +1,6 @@
-"""GPU tier: DeepEP V1's own test scripts (test_intranode.py, test_low_latency.py, test_internode.py as 2 virtual
-nodes) on epjit through scripts/deepep_tests.py, from the DeepEP checkout DEEPEP_SOURCE names; skips without one,
-or with fewer than 2 GPUs."""
+"""GPU tier: DeepEP V1's own test scripts (intranode, low latency, and internode as 2 virtual nodes) on epjit
+through scripts/deepep_tests.py, from the DeepEP checkout DEEPEP_SOURCE names; skips without one, or with fewer than
+2 GPUs."""
 
 from __future__ import annotations
 
