@@ -487,6 +487,33 @@ def test_calls_without_a_config_follow_set_num_sms(made):
     assert inner.calls[-1][2]["config"].num_sms == 16
 
 
+def test_deepep_configs_across_nodes_are_fitted_to_what_the_internode_kernels_run(made):
+    """DeepEP's internode test tunes RDMA chunks up to 32 in NVLink rings of 512; across 2 nodes of 2, epjit's combine
+    sub-rings (512 / 2) hold a chunk beyond 12 warps' RDMA chunks, so rdma_chunk_send comes down to the largest that
+    runs. Inside one node, or given an epjit Config, the numbers are the caller's."""
+    from epjit.deep_ep.config import fit_internode
+
+    assert fit_internode(EpjitConfig(24, 4, 512, 24, 128), 4, 2) == EpjitConfig(24, 4, 512, 21, 128)
+    assert fit_internode(EpjitConfig(24, 44, 512, 32, 128), 4, 2).rdma_chunk_send == 17
+    fitting = EpjitConfig(24, 4, 512, 8, 128)
+    assert fit_internode(fitting, 4, 2) is fitting
+    assert fit_internode(EpjitConfig(24, 4, 512, 32, 128), 8, 1).rdma_chunk_send == 32  # nodes of 1: no ring
+    EpjitConfig(24, 4, 512, 21, 128).internode_spec(4, 2)  # runs
+    with pytest.raises(ArgumentError, match="combine sub-ring"):
+        EpjitConfig(24, 4, 512, 22, 128).internode_spec(4, 2)
+    b = Buffer(object(), 1 << 20)
+    inner = made[0]
+    b.combine(np.zeros((5, 16)), NormalHandle("h"), config=Config(24, 4, 512, 24, 128))
+    assert inner.calls[-1][2]["config"].rdma_chunk_send == 24  # one node of 2: nothing to fit
+    made.clear()
+    b = Buffer(object(), 1 << 20)
+    b._group = SimpleNamespace(rank=1, size=4, device=0, num_nvl_ranks=2)
+    b.combine(np.zeros((5, 16)), NormalHandle("h"), config=Config(24, 4, 512, 24, 128))
+    assert made[0].calls[-1][2]["config"] == EpjitConfig(24, 4, 512, 21, 128)
+    b.combine(np.zeros((5, 16)), NormalHandle("h"), config=EpjitConfig(24, 4, 512, 24, 128))
+    assert made[0].calls[-1][2]["config"].rdma_chunk_send == 24  # an epjit Config is taken as given
+
+
 def test_normal_calls_on_a_low_latency_only_buffer_say_what_is_missing(made):
     b = Buffer(object(), 0, 1 << 20, low_latency_mode=True)
     with pytest.raises(ArgumentError, match="no NVLink buffer for normal mode"):

@@ -1,5 +1,5 @@
 """CPU tier of scripts/deepep_tests.py (DeepEP's own test scripts on epjit): the copy's substitutions find their
-targets (in a DeepEP checkout where one is named by DEEPEP_SOURCE or lies at .device/peers/deepep/DeepEP, else in a
+targets (in the DeepEP checkout DEEPEP_SOURCE names, if any, else in a
 stand-in), the generated ``deep_ep`` module resolves to epjit.deep_ep, and bench_kineto finds epjit's kernels. The
 scripts themselves run in the GPU tier (test_gpu_deepep_tests.py)."""
 
@@ -54,11 +54,10 @@ def test_prepare_refuses_a_checkout_whose_targets_moved(runner, tmp_path):
 
 
 def test_the_substitutions_find_their_targets_in_a_deepep_checkout(runner, tmp_path):
-    found = [Path(p) for p in (os.environ.get("DEEPEP_SOURCE"), ROOT / ".device" / "peers" / "deepep" / "DeepEP")
-             if p and (Path(p) / "tests" / "test_internode.py").is_file()]
-    if not found:
-        pytest.skip("no DeepEP checkout (DEEPEP_SOURCE, .device/peers/deepep/DeepEP)")
-    tests = runner.prepare(found[0], tmp_path / "run", 2)
+    source = os.environ.get("DEEPEP_SOURCE")
+    if not source or not (Path(source) / "tests" / "test_internode.py").is_file():
+        pytest.skip("no DeepEP checkout: DEEPEP_SOURCE names none")
+    tests = runner.prepare(Path(source), tmp_path / "run", 2)
     for name in runner.SCRIPTS:
         body = (tests / name).read_text()
         assert "import deep_ep" in body and "num_local_ranks == 8" not in body

@@ -23,7 +23,7 @@ from ..config import get_dispatch_config as epjit_dispatch_config
 from ..errors import ArgumentError, ArgumentTypeError, EpjitError, check_flag, check_int, with_rank
 from ..ops.layout import DispatchLayout
 from ..ops.streams import Event
-from .config import Config, epjit_config
+from .config import Config, epjit_config, fit_internode
 from .handles import NormalHandle
 from .scales import (
     check_ue8m0_hidden,
@@ -290,7 +290,11 @@ class Buffer:
     def _config(self, config: Any, kind: str) -> EpjitConfig | None:
         """The epjit config of a call: the given one, or the default for Buffer.num_sms (None: epjit's own)."""
         if config is not None:
-            return epjit_config(config)
+            found = epjit_config(config)
+            g = self._group
+            if found is not None and g.num_nvl_ranks < g.size and not isinstance(config, EpjitConfig):
+                found = fit_internode(found, g.size, g.num_nvl_ranks)
+            return found
         num_sms = Buffer.num_sms
         if num_sms == DEFAULT_NUM_SMS:
             return None

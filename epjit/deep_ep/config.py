@@ -8,9 +8,13 @@ DeepEP's: a Buffer sized by them fits every call they promise.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 from ..config import MAX_CHANNELS
 from ..config import Config as EpjitConfig
 from ..errors import ArgumentError, ArgumentTypeError, check_int, with_rank
+from ..kernels.internode import config_problems, internode_spec
 from ..kernels.intranode import intranode_min_nvl_bytes
 
 # What get_nvl_buffer_size_hint assumes of the calls it sizes for (it is not told): the most top-k columns epjit's
@@ -99,3 +103,19 @@ def epjit_config(config: object) -> EpjitConfig | None:
         return config.epjit
     raise ArgumentTypeError(with_rank(f"config must be a deep_ep Config (epjit.deep_ep.Config) or an epjit.Config, "
                                       f"got {type(config).__name__}"))
+
+
+@functools.lru_cache(maxsize=256)
+def fit_internode(config: EpjitConfig, num_ranks: int, num_nvl_ranks: int) -> EpjitConfig:
+    """A DeepEP Config's numbers as epjit's internode kernels can run them across nodes of ``num_nvl_ranks``.
+    DeepEP's chunk sizes are tuning numbers: its own internode test sweeps RDMA chunks up to 32 tokens in NVLink
+    rings of 512, where epjit's combine needs each node's sub-ring (nvl_chunk_recv / nodes) to hold a chunk beyond
+    a forwarding group's round of RDMA chunks. So rdma_chunk_send is lowered to the largest that runs; a Config
+    that still cannot run is returned as it is, for the call to refuse with the reason."""
+    spec = internode_spec(num_ranks // num_nvl_ranks, num_nvl_ranks)
+    nodes = num_ranks // num_nvl_ranks
+    for send in range(config.rdma_chunk_send, 0, -1):
+        if not config_problems(config.num_sms, config.nvl_chunk_send, config.nvl_chunk_recv, send,
+                               config.rdma_chunk_recv, nodes, spec):
+            return config if send == config.rdma_chunk_send else dataclasses.replace(config, rdma_chunk_send=send)
+    return config
