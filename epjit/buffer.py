@@ -155,6 +155,12 @@ class Buffer:
         id and its channel (-1: none), then its points in microseconds from the first block's start."""
         return self._profile.blocks()
 
+    @property
+    def low_latency_num_sms(self) -> int:
+        """Blocks a low-latency kernel runs on (one an SM; ``EPJIT_LL_NUM_SMS`` caps them), 0 without low-latency
+        mode: what the benchmark reports beside its low-latency rows."""
+        return self._low_latency.ops.num_sms if self.low_latency_mode and not self._closed else 0
+
     def barrier(self) -> None:
         """A device-side barrier of every rank of the NVLink node, on the communication stream (waits for it)."""
         if self._closed:

@@ -132,7 +132,7 @@ def _bench_low_latency_case(buf: Any, group: Any, dist: Any, args: argparse.Name
         row_bytes = msg if kind == "dispatch" else 2 * hidden
         moved = sum(pairs) * row_bytes  # docs/benchmark.md: valid (token, expert) pairs x message bytes
         out_bytes = (sum(pairs) - pairs[rank]) * row_bytes
-        row = Row(mode, tokens, hidden, topk, experts, buf._low_latency.ops.num_sms if buf.low_latency_mode else 0, r,
+        row = Row(mode, tokens, hidden, topk, experts, buf.low_latency_num_sms, r,
                   round(t, 1), round(nccl_us, 1) if nccl_us else None,
                   round(out_bytes / (t * 1e-6) / 1e9, 1), round(moved / (t * 1e-6) / 1e9, 1),
                   round(out_bytes / (nccl_us * 1e-6) / 1e9, 1) if nccl_us else None,
