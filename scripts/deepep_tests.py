@@ -2,6 +2,7 @@
 on epjit through ``epjit.deep_ep.install()``, one rank a GPU, and print one PASS/FAIL line a script.
 
     python scripts/deepep_tests.py --source /path/to/DeepEP [--gpus 4] [--small] [--only internode] [--timeout 900]
+                                   [--script-args "--use-logfmt"]
 
 The checkout's tests/ is copied to a temporary directory and changed only where a test cannot hold for another
 library (docs/deep_ep.md lists the changes, SUBSTITUTIONS below): its ``bench_kineto`` finds epjit's kernels
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -162,8 +164,9 @@ def _wait(procs: list[Any], timeout: float) -> str | None:
     return why
 
 
-def run(source: Path, gpus: int, only: list[str], small: bool, timeout: float) -> int:
-    """Run the scripts; print one PASS/FAIL line each; return how many failed."""
+def run(source: Path, gpus: int, only: list[str], small: bool, timeout: float, extra: list[str] | None = None) -> int:
+    """Run the scripts (``extra``: more arguments for each, e.g. DeepEP's ``--use-logfmt``); print one PASS/FAIL line
+    each; return how many failed."""
     here = Path(__file__).resolve().parent
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     failures = 0
@@ -181,7 +184,7 @@ def run(source: Path, gpus: int, only: list[str], small: bool, timeout: float) -
                 nodes = [",".join(str(g) for g in range(n * per_node, (n + 1) * per_node)) for n in range(2)]
             else:
                 nodes = [",".join(str(g) for g in range(gpus))]
-            args = ["--num-processes", str(per_node), *(SMALL[script] if small else [])]
+            args = ["--num-processes", str(per_node), *(SMALL[script] if small else []), *(extra or [])]
             start = time.monotonic()
             why = _wait(_launch(tests, script, args, script_env, nodes), timeout)
         took = f"{time.monotonic() - start:.0f} s"
@@ -200,6 +203,8 @@ def main() -> None:
                         help="run these scripts only")
     parser.add_argument("--small", action="store_true", help="fewer tokens than the scripts' defaults")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a script (default: 900)")
+    parser.add_argument("--script-args", default="", help="more arguments for every script run, e.g. '--use-logfmt' "
+                        "(with --only low_latency: the options only DeepEP's low-latency script has)")
     a = parser.parse_args()
     if a.source is None or not (Path(a.source) / "tests" / "utils.py").is_file():
         parser.error(f"--source (or DEEPEP_SOURCE) must name a DeepEP checkout with tests/, got {a.source}")
@@ -213,7 +218,7 @@ def main() -> None:
     only = [f"test_{s}.py" for s in a.only] if a.only else list(SCRIPTS)
     if gpus % 2 and "test_internode.py" in only:
         parser.error(f"test_internode.py runs as 2 virtual nodes: an even GPU count, got {gpus}")
-    sys.exit(1 if run(Path(a.source), gpus, only, a.small, a.timeout) else 0)
+    sys.exit(1 if run(Path(a.source), gpus, only, a.small, a.timeout, shlex.split(a.script_args)) else 0)
 
 
 if __name__ == "__main__":
