@@ -43,6 +43,24 @@ def test_fewer_than_twenty_repeats_are_refused(capsys):
     assert "--repeat must be >= 20" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("spin", ["50", "200000"])
+def test_a_spin_outside_its_range_is_refused(spin, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--spin-us", spin])
+    assert e.value.code == 2
+    assert f"--spin-us must be in [100, 100000], got {spin}" in capsys.readouterr().err
+
+
+def test_the_spin_is_what_the_protocol_launches():
+    from epjit.bench import protocol
+
+    try:
+        protocol.set_spin_us(2000)
+        assert protocol._HIDE_LAUNCH_NS == 2_000_000
+    finally:
+        protocol.set_spin_us(500)
+
+
 def test_ranks_sharing_gpus_are_not_timed(capsys, monkeypatch):
     monkeypatch.setenv("EPJIT_SHARE_GPUS", "1")
     with pytest.raises(SystemExit) as e:

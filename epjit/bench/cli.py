@@ -34,7 +34,7 @@ from .ceilings import bench_ceiling, bench_put_ceiling
 from .low_latency import LOW_LATENCY_MODES, bench_low_latency
 from .normal import NORMAL_MODES, bench_normal, parse_roles
 from .peers import PEERS, DeepEPPeer, deepep_problem
-from .protocol import init_with_nccl
+from .protocol import init_with_nccl, set_spin_us
 from .report import Row, print_summary, write_json
 
 # What a machine without a GPU can still do with the benchmark (the end of every refusal for a missing requirement).
@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     import torch.distributed as dist
 
     group = init_with_nccl(args.num_nvl_ranks)
+    set_spin_us(args.spin_us)
     rows: list[Row] = []
     normal_modes = [m for m in args.modes if m in NORMAL_MODES]
     ll_modes = [m for m in args.modes if m in LOW_LATENCY_MODES]
@@ -188,6 +189,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ll-tokens", type=int, nargs="+", default=[128],
                         help="tokens per rank of the low-latency cases (the buffer holds the largest)")
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--spin-us", type=int, default=500,
+                        help="how long the GPU spins before each timed run, hiding the host's launches of it "
+                             "(docs/benchmark.md); longer shows whether a row times the host's launches")
     parser.add_argument("--peers", nargs="+", default=["nccl"], choices=PEERS,
                         help="what each case is timed beside, in the same processes on the same inputs: nccl "
                              "(all_to_all_single of the same bytes), deepep (DeepEP V1's same call; `import deep_ep` "
@@ -217,6 +221,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(str(e))
     if args.repeat < 20:
         parser.error("--repeat must be >= 20 (docs/benchmark.md's protocol)")
+    if not 100 <= args.spin_us <= 100_000:
+        parser.error(f"--spin-us must be in [100, 100000], got {args.spin_us}")
     if settings().share_gpus:
         parser.error("EPJIT_SHARE_GPUS is set: ranks sharing a GPU are time-sliced, so their timings mean nothing "
                      "(and NCCL refuses two ranks on one GPU)")

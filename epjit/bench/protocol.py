@@ -36,8 +36,14 @@ def start_together(group: Any) -> None:
 
 _ALIGN: Any = None
 _SPIN: Any = None
-# Longer than any host-side launch timed here, with room for slow hosts (docs/benchmark.md).
+# Longer than any host-side launch timed here, with room for slow hosts (docs/benchmark.md); --spin-us sets it.
 _HIDE_LAUNCH_NS = 500_000
+
+
+def set_spin_us(us: int) -> None:
+    """How long the GPU spins before each timed run (the benchmark's --spin-us)."""
+    global _HIDE_LAUNCH_NS
+    _HIDE_LAUNCH_NS = int(us) * 1000
 
 
 def median_us(fn: Any, group: Any, repeat: int, warmup: int = 5, before: Any = None) -> float:
