@@ -33,6 +33,7 @@ SCALARS: dict[str, str] = {
 _QUALIFIERS = {"const", "volatile", "__restrict__", "__restrict", "restrict"}
 
 _TOKENS = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|//[^\n]*|/\*.*?\*/', re.DOTALL)
+_DIRECTIVE = re.compile(r"^[ \t]*#(?:[^\n]*\\\n)*[^\n]*", re.MULTILINE)  # with its backslash continuations
 _GLOBAL = re.compile(r"\b__global__\b")
 _EXTERN_C_BLOCK = re.compile(r'\bextern\s+"C"\s*\{')
 _NAME_AND_PAREN = re.compile(r"(\w+)\s*\($")
@@ -139,7 +140,8 @@ def _parameter(program: str, kernel: str, piece: str, offset: int, text: str) ->
 def parse_kernels(text: str, program: str = "<source>") -> dict[str, KernelSignature]:
     """Every ``extern "C" __global__`` function of ``text`` by name, in order of appearance (a declaration and its
     definition count once). ``program`` names the text in errors (a file's path, or ``<source>``)."""
-    text = blank_comments(text)
+    # Comments and preprocessor lines (a macro may spell a kernel's declaration) are blanked, line breaks kept.
+    text = _DIRECTIVE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), blank_comments(text))
     blocks = _extern_c_blocks(text)
     kernels: dict[str, KernelSignature] = {}
     for m in _GLOBAL.finditer(text):
