@@ -24,13 +24,15 @@ from typing import Any
 import numpy as np
 
 from . import jit, memory
-from .errors import ArgumentError, ArgumentTypeError, CompileError, SetupError, with_rank
+from .errors import ArgumentError, ArgumentTypeError, CompileError, SetupError, check_int, with_rank
+from .group import Group
 from .jit.module import cupy_stream
 from .jit.program import CompiledProgram, Program, compile_program
 from .jit.signature import KernelSignature, Parameter, SignatureError, parse_kernels
-from .kernels import jit_config
+from .kernels import BarrierSpec, jit_config
+from .ops.loader import load
 
-__all__ = ["Kernel", "Module", "compile"]
+__all__ = ["Kernel", "Module", "Peers", "compile"]
 
 # struct code of a C type (epjit.jit.signature.SCALARS) -> the NumPy scalar CuPy passes with the same size
 _NUMPY = {"?": np.bool_, "b": np.int8, "B": np.uint8, "h": np.int16, "H": np.uint16, "i": np.int32,
@@ -293,3 +295,61 @@ def _stream(stream: Any) -> Any:
         raise ArgumentTypeError(with_rank(f"stream must be a CuPy or torch stream, an address or None, got "
                                           f"{type(stream).__name__}"))
     return cupy_stream(ptr, cupy.cuda.runtime.getDevice())
+
+
+class Peers:
+    """Peer memory of your own for kernels of your own, over a group's NVLink node: every rank's NVLink buffer of
+    ``num_nvl_bytes`` payload (CUDA IPC), the device PeersTable that points a kernel at them (cuda_src/peers.cuh),
+    and the wait record that turns a timed wait of that kernel which never ends into EpjitTimeoutError naming the
+    rank and what it waited for. Collective: every rank of the group makes it, alike, and closes it.
+
+    A kernel takes ``const epjit::PeersTable* peers`` and is given ``peers=p.table``; it finds nvl rank i's payload
+    at ``epjit::nvl_ptr(peers, i, epjit::kNvlHeaderBytes)`` (the header's words are the barriers'). None of it is a
+    Buffer's: the built-in kernels never touch it."""
+
+    def __init__(self, group: Group, num_nvl_bytes: int, *, timeout_s: float | None = None) -> None:
+        self.num_nvl_bytes = check_int(num_nvl_bytes, "num_nvl_bytes", 1)
+        self.group = group
+        if group.device is None:
+            raise SetupError(with_rank("peer memory needs a GPU, and epjit.init() bound none on this rank"))
+        # Loaded (compiled, the first time) before the collective set-up, which then lines the ranks up: a rank
+        # compiling it at its first barrier would keep the others waiting in theirs, against the timeout.
+        self._barrier = load(BarrierSpec(group.num_nvl_ranks), group.device)
+        self._memory: memory.PeerMemory | None = memory.PeerMemory.create(group, self.num_nvl_bytes, 0, timeout_s)
+
+    @property
+    def table(self) -> int:
+        """The device address of this rank's PeersTable: the argument of a ``const epjit::PeersTable*``."""
+        return self._open().table_ptr
+
+    def payload(self, nvl_rank: int | None = None) -> int:
+        """The address of nvl rank ``nvl_rank``'s payload (default: this rank's) as mapped in this process."""
+        return self._open().nvl_payload_ptr(nvl_rank)
+
+    def barrier(self, stream: Any = None) -> None:
+        """Launch epjit's NVLink barrier on ``stream``: every rank of the node launches it, no rank's kernels after
+        it start before every rank's kernels before it are done and their writes visible (a timed wait too)."""
+        args = self._barrier.spec.args("nvl_barrier", peers=self.table)
+        self._barrier.launch(args, 1, 32, stream=_stream(stream))
+
+    def synchronize(self, stream: Any = None) -> None:
+        """Wait for ``stream`` (default: the whole GPU); a timed wait of a kernel that expired becomes
+        EpjitTimeoutError naming the rank, the peer and the values (the CUDA context is lost then: restart)."""
+        self._open().synchronize(_stream(stream))
+
+    def close(self) -> None:
+        """Collective: waits until no peer can still touch this rank's buffer, then unmaps and frees."""
+        if self._memory is not None:
+            self._memory.close()
+            self._memory = None
+
+    def __enter__(self) -> Peers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open(self) -> memory.PeerMemory:
+        if self._memory is None:
+            raise SetupError(with_rank("these Peers are closed"))
+        return self._memory

@@ -233,6 +233,25 @@ def test_importing_the_lab_touches_no_gpu_or_compiler():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_peers_need_a_gpu_and_a_size():
+    from types import SimpleNamespace
+
+    with pytest.raises(ArgumentError, match="num_nvl_bytes must be an int >= 1, got 0"):
+        epjit.lab.Peers(SimpleNamespace(device=0, num_nvl_ranks=1, size=1), 0)
+    with pytest.raises(SetupError, match="peer memory needs a GPU"):
+        epjit.lab.Peers(SimpleNamespace(device=None, num_nvl_ranks=1, size=1), 1 << 20)
+
+
+def test_the_peers_kernels_of_the_gpu_check_compile():
+    """The user's kernels the GPU check runs (tests/ranks/lab_peers.py): epjit's in-kernel barrier and timed wait
+    over the PeersTable, the node's rank count a define."""
+    text = (ROOT / "tests" / "ranks" / "lab_peers.py").read_text()
+    source = text.split('SOURCE = r"""', 1)[1].split('"""', 1)[0]
+    for ranks in (1, 2, 8):
+        module = epjit.lab.compile(source, arch="sm_90", defines={"NUM_NVL_RANKS": ranks})
+        assert list(module.kernels) == ["all_gather_row", "wait_forever"]
+
+
 @pytest.mark.gpu
 def test_a_users_kernel_runs_on_a_gpu():
     require_gpus(1)
@@ -245,3 +264,21 @@ def test_a_users_kernel_runs_on_a_gpu():
     cupy.cuda.Device().synchronize()
     host = out.get()
     assert (host[:128] == 42).all() and (host[128:] == 7).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wait_forever", [False, True], ids=["all-gather", "timeout"])
+def test_a_users_kernel_over_peers(wait_forever):
+    """tests/ranks/lab_peers.py on 2 ranks: a user's all-gather over epjit.lab.Peers is exact; a timed wait nobody
+    ends becomes EpjitTimeoutError naming the rank and the wait."""
+    from .gpu import run_ranks, two_ranks
+
+    env = {**two_ranks(), "EPJIT_TIMEOUT_S": "3" if wait_forever else "60"}
+    code, output, results = run_ranks("launch", 2, "tests/ranks/lab_peers.py",
+                                      *(["--wait-forever"] if wait_forever else []), env=env, timeout=180)
+    assert [r["rank"] for r in results] == [0, 1], output[-4000:]
+    assert all(r["gather_errors"] == 0 for r in results), output[-4000:]
+    if wait_forever:
+        assert code != 0 and "EpjitTimeoutError" in output and "in wait_forever: flag < 1" in output, output[-4000:]
+    else:
+        assert code == 0, output[-4000:]
