@@ -51,10 +51,10 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     # Lazy: `import epjit` must stay free of mpi4py/CuPy imports; they load on first use.
-    if name == "autograd":  # torch users' module: imports torch, so only when asked for
+    if name in ("autograd", "lab"):  # torch users' module (imports torch) and the kernel lab: only when asked for
         import importlib
 
-        return importlib.import_module(".autograd", __name__)
+        return importlib.import_module(f".{name}", __name__)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'epjit' has no attribute {name!r}")

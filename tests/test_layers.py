@@ -32,6 +32,8 @@ LAYERS = [
     ("epjit.ops",),
     ("epjit.front",),
     ("epjit.buffer",),
+    # Your own kernels on the runtime (compile, launch by name; later the peer memory of a Buffer).
+    ("epjit.lab",),
     ("epjit.bench", "epjit"),
 ]
 # Beyond the layers: peer memory (IPC, NVSHMEM) does not reach into the JIT.

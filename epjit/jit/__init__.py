@@ -3,7 +3,8 @@
 It knows kernel specs (template parameters, argument names and C types) and nothing about MoE, and it imports
 nothing else of epjit: where the sources are, where the cache lives and the version come in a :class:`JitConfig`.
 ``python -m epjit.jit --check [--arch sm_90]`` compiles and links without a GPU every module the packages above
-register as a :class:`KernelSet` (entry-point group ``epjit.jit.specs``).
+register as a :class:`KernelSet` (entry-point group ``epjit.jit.specs``). A :class:`Program` written by hand is
+compiled as it is (:func:`compile_program`), its kernels read from its own text (:func:`parse_kernels`).
 """
 
 from __future__ import annotations
@@ -12,23 +13,32 @@ from .compiler import CompiledModule, compile_spec, normalize_arch
 from .config import JitConfig
 from .errors import CompileError, JitError, ToolchainError
 from .module import Module, device_arch, load, unload_all
+from .program import CompiledProgram, Program, compile_program
 from .registry import KernelSet
+from .signature import KernelSignature, Parameter, SignatureError, parse_kernels
 from .spec import KernelArgs, KernelSpec, camel_param
 
 __all__ = [
     "CompileError",
     "CompiledModule",
+    "CompiledProgram",
     "JitConfig",
     "JitError",
     "KernelArgs",
     "KernelSet",
+    "KernelSignature",
     "KernelSpec",
     "Module",
+    "Parameter",
+    "Program",
+    "SignatureError",
     "ToolchainError",
     "camel_param",
+    "compile_program",
     "compile_spec",
     "device_arch",
     "load",
     "normalize_arch",
+    "parse_kernels",
     "unload_all",
 ]
