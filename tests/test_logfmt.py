@@ -3,6 +3,8 @@ error against the bf16 combine within DeepEP's bound on DeepEP's test data, and 
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -11,6 +13,8 @@ import pytest
 from epjit import reference as ref
 from epjit.errors import ArgumentError, ArgumentTypeError
 from epjit.front.common import Plans
+from epjit.kernels.low_latency import LOGFMT_CHANNELS
+from epjit.reference import numerics
 from epjit.reference.results import BF16
 
 from .test_arguments import _hollow
@@ -150,3 +154,12 @@ def test_buffer_refuses_what_logfmt_cannot_do():
     buf._low_latency.plans = _Found()
     with pytest.raises(ArgumentError, match="zero_copy=True and use_logfmt=True together are not supported"):
         buf.low_latency_combine(None, None, w, handle, zero_copy=True, use_logfmt=True)
+
+
+def test_group_constants_match_the_kernel():
+    """The host's and the reference's LogFMT constants are the kernel's (cuda_src/low_latency.cu)."""
+    source = (Path(__file__).parent.parent / "cuda_src" / "low_latency.cu").read_text()
+    constants = dict(re.findall(r"constexpr (?:int|float) (kLogfmt\w+) = ([^;]+);", source))
+    assert int(constants["kLogfmtChannels"]) == LOGFMT_CHANNELS == numerics.LOGFMT_CHANNELS
+    assert constants["kLogfmtMaxIndex"] == "(1 << 9) - 1" and numerics.LOGFMT_MAX_INDEX == 511
+    assert float(constants["kLogfmtMinClip"].rstrip("f")) == numerics.LOGFMT_MIN_CLIP

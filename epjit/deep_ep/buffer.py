@@ -479,7 +479,7 @@ class Buffer:
         async_finish = _async_or_hook(async_finish, return_recv_hook, "low_latency_combine")
         ll = self._ll if self._ll is not None else self._made_low_latency()
         inner = _epjit_handle(handle, LowLatencyHandle, "low_latency_combine")
-        if zero_copy is not False and check_flag(zero_copy, "zero_copy") and use_logfmt is False:
+        if zero_copy is not False and check_flag(zero_copy, "zero_copy") and not check_flag(use_logfmt, "use_logfmt"):
             x = self._zero_copy_input(ll, x, inner)  # (with use_logfmt, epjit refuses the pair, as DeepEP asserts)
         c = ll.low_latency_combine(x, topk_idx, topk_weights, inner, zero_copy=zero_copy, out=out,
                                    return_recv_hook=return_recv_hook, async_finish=async_finish,

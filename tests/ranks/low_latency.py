@@ -1,9 +1,10 @@
 """One rank of the low-latency GPU check: dispatch (FP8 with plain, rounded and UE8M0 scales, and bf16) and combine
 against epjit.reference, with and without the receive hook, captured in a CUDA graph and replayed, 1000 calls
-alternating the buffer sets, and the Safe rules. Every rank builds every rank's inputs from the same seed and
-checks its own outputs. Prints ``RESULT {json}``; exits non-zero on the first mismatch.
+alternating the buffer sets, the Safe rules, and the LogFMT combine (use_logfmt=True) against the reference. Every
+rank builds every rank's inputs from the same seed and checks its own outputs. Prints ``RESULT {json}``; exits
+non-zero on the first mismatch.
 
-    python -m epjit.launch -n 4 tests/ranks/low_latency.py [--quick] [--loops 1000]
+    python -m epjit.launch -n 4 tests/ranks/low_latency.py [--quick] [--loops 1000] [--logfmt-only]
 """
 
 from __future__ import annotations
