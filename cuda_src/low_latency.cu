@@ -27,6 +27,9 @@
 //                   its home rank; after the last row of the pair, one flag for the expert.
 //   combine recv    each block waits for the flags of its tokens' experts, then sums each token's top-k slots with
 //                   the gate weights in float32 (k order, as the reference) and writes bf16.
+//   LogFMT combine  ll_combine_logfmt, the same halves: a sending warp encodes each 128-channel group of a row
+//                   as DeepEP's LogFMT-10 where the group allows it, with a group word beside the slot; the
+//                   receiving threads decode by that word before the same sums (below, and docs/layouts.md).
 //
 // `phases` selects send, receive or both: with return_recv_hook the host launches the send half now and the
 // receive half when the caller runs the hook, so no SM waits while bytes are in flight.
@@ -901,13 +904,128 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
     finish_call(peers, lay, sync, set, (phases & kPhaseRecv) != 0, true, epoch, force_puts, host_status, timeline);
 }
 
+// ------------------------------------------------------------------------------------------ LogFMT-10 (combine)
+
+// DeepEP's LogFMT-10 (docs/layouts.md, "LogFMT combine"), per 128 channels of a row: amax and amin of |x|,
+// log_amax = log2(amax), log_amin = max(log2(amin), log_amax - 32) (log_amax - 32 where amin is 0). A group with
+// log_amax < 0 and log_amin < log_amax travels as a 9-bit magnitude index on the log scale between the two and a
+// sign bit a value (index 0 is zero, index e > 0 is 2^((e - 1) * step + log_amin)); any other group as bf16.
+constexpr int kLogfmtChannels = 128;
+constexpr int kLogfmtGroupInt4 = kLogfmtChannels / 8;   // a lane's 8 channels, 16 lanes a group
+constexpr int kLogfmtGroupBytes = 2 * kLogfmtChannels;  // a group's place in a combine slot (its bf16 size)
+constexpr int kLogfmtHighBytes = kLogfmtChannels;       // a cast group: 128 low bytes, then 2 bits a value
+constexpr int kLogfmtMaxIndex = (1 << 9) - 1;
+constexpr float kLogfmtMinClip = 32.0f;
+
+struct LogfmtRange {
+    float log_amin, step;
+    bool cast;
+};
+
+// The sender's amax/amin are bf16 values and a group word carries them exactly, so both sides compute the same
+// floats here.
+__device__ __forceinline__ LogfmtRange logfmt_range(float amax, float amin) {
+    const float log_amax = ptx::lg2_approx_f32(amax);
+    const float log_amin = amin == 0.0f ? log_amax - kLogfmtMinClip
+                                        : fmaxf(ptx::lg2_approx_f32(amin), log_amax - kLogfmtMinClip);
+    return {log_amin, (log_amax - log_amin) / static_cast<float>(kLogfmtMaxIndex - 1),
+            log_amax < 0.0f && log_amin < log_amax};
+}
+
+// One warp sends a row of y to combine slot `dst` and its group words to `meta` (both on the home rank): a
+// half-warp a group, a lane 8 channels. Of a cast group only its 160 bytes are written (the low 8 bits of its 128
+// indices, then 2 bits a value: index bit 8, sign), at the start of its 256-byte place; a bf16 group fills it. A
+// group word is bf16 amax | bf16 amin << 16 of a cast group (never 0: amax > 0), 0 of a bf16 one. The stores are
+// plain: the caller's bar.sync and system-scope fence order them before the expert's flag, as the bf16 rows.
+__device__ __forceinline__ void send_logfmt_row(int4* dst, uint32_t* meta, const int4* src, int row_int4, int lane) {
+    for (int base = 0; base < row_int4; base += 32) {
+        const int i = base + lane;
+        // row_int4 is a multiple of 16: a half-warp is wholly in the row or wholly past it (then its shuffles stay
+        // among its own lanes, and it stores nothing).
+        const int4 raw = i < row_int4 ? ptx::ld_global_nc_L1_no_allocate_v4(src + i) : make_int4(0, 0, 0, 0);
+        float v[8];
+        unpack_bf16x8(raw, v);
+        float amax = 0.0f, amin = __int_as_float(0x7f800000);  // +inf
+#pragma unroll
+        for (int c = 0; c < 8; ++c) {
+            amax = fmaxf(amax, fabsf(v[c]));
+            amin = fminf(amin, fabsf(v[c]));
+        }
+#pragma unroll
+        for (int m = kLogfmtGroupInt4 / 2; m > 0; m /= 2) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, m));
+            amin = fminf(amin, __shfl_xor_sync(0xffffffffu, amin, m));
+        }
+        if (i >= row_int4) continue;
+        const LogfmtRange r = logfmt_range(amax, amin);
+        const int group = i / kLogfmtGroupInt4, part = i % kLogfmtGroupInt4;
+        char* place = reinterpret_cast<char*>(dst) + static_cast<int64_t>(group) * kLogfmtGroupBytes;
+        if (r.cast) {
+            // DeepEP's rounding: an index rounds up where |x| passes the mean of the two values it lies between.
+            const float step_inv = 1.0f / r.step;
+            const float fused = 2.0f - ptx::lg2_approx_f32((1.0f + ptx::ex2_approx_f32(r.step)) * 0.5f) * step_inv -
+                                r.log_amin * step_inv;
+            uint32_t low[2] = {0u, 0u}, high = 0u;
+#pragma unroll
+            for (int c = 0; c < 8; ++c) {
+                const uint32_t index = min(__float2uint_rd(fmaxf(ptx::lg2_approx_f32(fabsf(v[c])) * step_inv + fused,
+                                                                 0.0f)),
+                                           static_cast<uint32_t>(kLogfmtMaxIndex));
+                low[c / 4] |= (index & 0xffu) << (8 * (c % 4));
+                high |= ((index >> 8) | ((__float_as_uint(v[c]) >> 31) << 1)) << (2 * c);
+            }
+            *reinterpret_cast<uint2*>(place + 8 * part) = make_uint2(low[0], low[1]);
+            *reinterpret_cast<uint16_t*>(place + kLogfmtHighBytes + 2 * part) = static_cast<uint16_t>(high);
+        } else {
+            ptx::st_global_L1_no_allocate_v4(reinterpret_cast<int4*>(place) + part, raw);
+        }
+        if (part == 0)
+            meta[group] = r.cast ? (__float_as_uint(amax) >> 16) | (__float_as_uint(amin) & 0xffff0000u) : 0u;
+    }
+}
+
+// What a receiving thread reads of int4 `i` of a combine slot, by its group word: the bf16 int4 of a bf16 group;
+// of a cast group its 8 low index bytes (x, y) and its 16 bits of high bits (z).
+__device__ __forceinline__ int4 load_logfmt_part(const int4* slot, int i, uint32_t meta) {
+    if (meta == 0u) return ptx::ld_volatile_global_v4(slot + i);
+    const int part = i % kLogfmtGroupInt4;
+    const char* place = reinterpret_cast<const char*>(slot + (i - part));
+    const uint64_t low = ptx::ld_volatile_u64(reinterpret_cast<const uint64_t*>(place + 8 * part));
+    const uint32_t high = static_cast<uint32_t>(
+        ptx::ld_volatile_s32(reinterpret_cast<const int*>(place + kLogfmtHighBytes + 4 * (part / 2))));
+    return make_int4(static_cast<int>(low), static_cast<int>(low >> 32),
+                     static_cast<int>((high >> (16 * (part % 2))) & 0xffffu), 0);
+}
+
+// The 8 floats of what load_logfmt_part read (decoded in float32, as DeepEP's receiver).
+__device__ __forceinline__ void decode_logfmt_part(const int4& raw, uint32_t meta, float* v) {
+    if (meta == 0u) {
+        unpack_bf16x8(raw, v);
+        return;
+    }
+    const LogfmtRange r = logfmt_range(__uint_as_float(meta << 16), __uint_as_float(meta & 0xffff0000u));
+    const uint32_t high = static_cast<uint32_t>(raw.z);
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+        const uint32_t low = (static_cast<uint32_t>(c < 4 ? raw.x : raw.y) >> (8 * (c % 4))) & 0xffu;
+        const uint32_t bits = high >> (2 * c);
+        const uint32_t index = low | ((bits & 1u) << 8);
+        const float magnitude =
+            index == 0u ? 0.0f : ptx::ex2_approx_f32(static_cast<float>(index - 1u) * r.step + r.log_amin);
+        v[c] = (bits & 2u) ? -magnitude : magnitude;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------------- combine
 
-__global__ void __launch_bounds__(kLowLatencyThreads, 1)
-ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const int* topk_slot,
-           const int64_t* layout_range, const int64_t* topk_idx, const float* topk_weights, int4* out,
-           int num_tokens, int num_topk, int hidden, int num_experts, int max_tokens, int set, int phases,
-           int force_puts, LowLatencySync* sync, int* host_status, uint64_t* timeline) {
+// Both combines, bf16 (kLogfmt false: ll_combine) and LogFMT-10 (ll_combine_logfmt): the same halves, the rows
+// encoded on the way out and decoded on the way in.
+template <bool kLogfmt>
+__device__ __forceinline__ void combine(const PeersTable* peers, const int4* y, const int* src_info,
+                                        const int* topk_slot, const int64_t* layout_range, const int64_t* topk_idx,
+                                        const float* topk_weights, int4* out, int num_tokens, int num_topk,
+                                        int hidden, int num_experts, int max_tokens, int set, int phases,
+                                        int force_puts, LowLatencySync* sync, int* host_status, uint64_t* timeline) {
     const int me = peers->rank, num_ranks = peers->num_ranks, num_local = num_experts / num_ranks;
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
     const int epoch = ptx::ld_volatile_s32(&sync->epoch[set]) + 1;
@@ -933,8 +1051,14 @@ ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const in
             const bool direct = !force_puts && peers->sym_peer[home] != nullptr;
             for (int i = sub; i < n; i += w) {
                 const int64_t row = e * rows_per_expert + begin + i;
-                int4* mine = lay.combine_slot(__ldg(src_info + row), __ldg(topk_slot + row));
                 const int4* src = y + row * row_int4;
+                if constexpr (kLogfmt) {  // the host runs it only where every peer has an NVLink pointer
+                    const int token = __ldg(src_info + row), k = __ldg(topk_slot + row);
+                    send_logfmt_row(on_peer(peers, lay.combine_slot(token, k), home),
+                                    on_peer(peers, lay.combine_meta(token, k), home), src, row_int4, lane);
+                    continue;
+                }
+                int4* mine = lay.combine_slot(__ldg(src_info + row), __ldg(topk_slot + row));
                 if (direct)
                     warp_copy(on_peer(peers, mine, home), src, row_int4, lane);
                 else
@@ -1001,15 +1125,30 @@ ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const in
                 constexpr int kInFlight = 4;
                 for (int k0 = 0; k0 < num_topk; k0 += kInFlight) {
                     int4 raw[kInFlight];
+                    uint32_t meta[kInFlight];
+                    if constexpr (kLogfmt) {  // the group words first: they say where and how each part lies
+#pragma unroll
+                        for (int j = 0; j < kInFlight; ++j)
+                            if (k0 + j < num_topk && slot_valid[k0 + j])
+                                meta[j] = static_cast<uint32_t>(ptx::ld_volatile_s32(reinterpret_cast<const int*>(
+                                    lay.combine_meta(t, k0 + j) + i / kLogfmtGroupInt4)));
+                    }
 #pragma unroll
                     for (int j = 0; j < kInFlight; ++j)
-                        if (k0 + j < num_topk && slot_valid[k0 + j])
-                            raw[j] = ptx::ld_volatile_global_v4(lay.combine_slot(t, k0 + j) + i);
+                        if (k0 + j < num_topk && slot_valid[k0 + j]) {
+                            if constexpr (kLogfmt)
+                                raw[j] = load_logfmt_part(lay.combine_slot(t, k0 + j), i, meta[j]);
+                            else
+                                raw[j] = ptx::ld_volatile_global_v4(lay.combine_slot(t, k0 + j) + i);
+                        }
 #pragma unroll
                     for (int j = 0; j < kInFlight; ++j) {
                         if (k0 + j >= num_topk || !slot_valid[k0 + j]) continue;
                         float v[8];
-                        unpack_bf16x8(raw[j], v);
+                        if constexpr (kLogfmt)
+                            decode_logfmt_part(raw[j], meta[j], v);
+                        else
+                            unpack_bf16x8(raw[j], v);
 #pragma unroll
                         for (int c = 0; c < 8; ++c) acc[c] = __fadd_rn(acc[c], __fmul_rn(v[c], slot_weight[k0 + j]));
                     }
@@ -1021,6 +1160,25 @@ ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const in
         timeline_mark(timeline, kAtReceived);
     }
     finish_call(peers, lay, sync, set, (phases & kPhaseRecv) != 0, false, epoch, force_puts, host_status, timeline);
+}
+
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const int* topk_slot,
+           const int64_t* layout_range, const int64_t* topk_idx, const float* topk_weights, int4* out,
+           int num_tokens, int num_topk, int hidden, int num_experts, int max_tokens, int set, int phases,
+           int force_puts, LowLatencySync* sync, int* host_status, uint64_t* timeline) {
+    combine<false>(peers, y, src_info, topk_slot, layout_range, topk_idx, topk_weights, out, num_tokens, num_topk,
+                   hidden, num_experts, max_tokens, set, phases, force_puts, sync, host_status, timeline);
+}
+
+// The LogFMT-10 combine: launched only on the build without a put path (LowLatencySpec), hidden % 128 == 0.
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+ll_combine_logfmt(const PeersTable* peers, const int4* y, const int* src_info, const int* topk_slot,
+                  const int64_t* layout_range, const int64_t* topk_idx, const float* topk_weights, int4* out,
+                  int num_tokens, int num_topk, int hidden, int num_experts, int max_tokens, int set, int phases,
+                  int force_puts, LowLatencySync* sync, int* host_status, uint64_t* timeline) {
+    combine<true>(peers, y, src_info, topk_slot, layout_range, topk_idx, topk_weights, out, num_tokens, num_topk,
+                  hidden, num_experts, max_tokens, set, phases, force_puts, sync, host_status, timeline);
 }
 
 }  // namespace epjit

@@ -12,6 +12,7 @@
 //   dispatch slots  [R src][M] x msg            one message per (source token, destination rank): header + payload
 //   combine slots   [M][kLowLatencyMaxTopk] x 2H   expert output for (token, k), at the token's home rank
 //   staging         [M] x msg + [M][R] x header   what NVSHMEM puts read (only where no NVLink pointer)
+//                   (a LogFMT combine keeps its group words here: uint32 [M][kLowLatencyMaxTopk][H/128])
 //   formats         uint64 [R src]              dispatch: (epoch << 32) | format: whether src's messages here are
 //                                               flagged, and how many it sent
 //   flagged msgs    [R src][kFlaggedTokens] x 2 msg    small dispatches' messages, flagged (below)
@@ -129,6 +130,13 @@ struct LowLatencyLayout {
     __device__ int4* combine_slot(int token, int k) const {
         return reinterpret_cast<int4*>(
             combine_slots + (static_cast<int64_t>(token) * kLowLatencyMaxTopk + k) * combine_row_bytes);
+    }
+    // LogFMT combine (ll_combine_logfmt): slot (token, k)'s group words, a uint32 a 128 channels, where the staging
+    // region is: only the put path stages, and a LogFMT combine runs only in the build without one (the host refuses
+    // it elsewhere). [M][kLowLatencyMaxTopk][H/128] x 4 bytes fits in the staging region's M x msg_bytes (> 2H).
+    __device__ uint32_t* combine_meta(int token, int k) const {
+        return reinterpret_cast<uint32_t*>(staging) +
+               (static_cast<int64_t>(token) * kLowLatencyMaxTopk + k) * (combine_row_bytes / 256);
     }
 };
 

@@ -193,6 +193,19 @@ __device__ __forceinline__ uint16_t cvt_rn_satfinite_e4m3x2_f32(float hi, float 
     return v;
 }
 
+/// Approximate math (LogFMT, low_latency.cu): the hardware's fast base-2 logarithm and exponential, as DeepEP's
+/// LogFMT uses them (relative error about 2^-22; lg2 of 0 is -inf, subnormal inputs are handled).
+__device__ __forceinline__ float lg2_approx_f32(float x) {
+    float v;
+    asm("lg2.approx.f32 %0, %1;" : "=f"(v) : "f"(x));
+    return v;
+}
+__device__ __forceinline__ float ex2_approx_f32(float x) {
+    float v;
+    asm("ex2.approx.f32 %0, %1;" : "=f"(v) : "f"(x));
+    return v;
+}
+
 /// Programmatic dependent launch (sm_90)
 // A kernel launched with programmatic stream serialization (epjit/jit/module.py: launch(programmatic=True)) may
 // start while the kernel before it on the stream still runs, once that one's blocks have all triggered or ended;

@@ -233,15 +233,16 @@ class Buffer:
 
     def low_latency_combine(self, y: Any, topk_idx: Any, topk_weights: Any, handle: LowLatencyHandle,
                             zero_copy: bool = False, out: Any = None, return_recv_hook: bool = False,
-                            async_finish: bool = False) -> LowLatencyCombineResult:
+                            async_finish: bool = False, *, use_logfmt: bool = False) -> LowLatencyCombineResult:
         """For each token: sum over k with topk_idx[t, k] >= 0 of topk_weights[t, k] * (expert output of the row
         that answered (t, k)), in float32, as bf16 [N, H] (docs/api.md: low-latency combine).
 
         y is [L, R*max, H] bf16 in the layout the dispatch delivered; topk_idx/topk_weights are what this rank
-        dispatched with. ``out`` receives the result if given.
+        dispatched with. ``out`` receives the result if given. ``use_logfmt=True``: the rows travel as DeepEP's
+        LogFMT-10 (10 bits a value per 128-channel group where the group allows it, bf16 where not).
         """
         return self._low_latency.combine(y, topk_idx, topk_weights, handle, zero_copy, out, return_recv_hook,
-                                         async_finish)
+                                         async_finish, use_logfmt)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int | None = None, hidden: int | None = None,
                                  num_experts: int | None = None) -> None:

@@ -581,11 +581,18 @@ def test_low_latency_arguments_map_onto_epjits(made):
     combined, event, hook = b.low_latency_combine(y, idx, w, handle, zero_copy=True, return_recv_hook=True, out=out)
     name, args, kw = inner.calls[-1]
     assert args == (y, idx, w, handle.handle)
-    assert kw == {"zero_copy": True, "out": out, "return_recv_hook": True, "async_finish": False}
+    assert kw == {"zero_copy": True, "out": out, "return_recv_hook": True, "async_finish": False,
+                  "use_logfmt": False}
     assert (combined, event.event, hook) == ("combined_x", None, None)
     mine = np.ones((4, 64, 256), np.float32)
     b.low_latency_combine(mine, idx, w, handle)
     assert inner.calls[-1][1][0] is mine
+    b.low_latency_combine(mine, idx, w, handle, use_logfmt=True)  # DeepEP's LogFMT combine: epjit's, by name
+    assert inner.calls[-1][1][0] is mine and inner.calls[-1][2]["use_logfmt"] is True
+    # With zero_copy too, x goes to epjit as given (no combine buffer looked up): epjit refuses the pair, as
+    # DeepEP asserts.
+    b.low_latency_combine(mine, idx, w, handle, use_logfmt=True, zero_copy=True)
+    assert inner.calls[-1][1][0] is mine and inner.calls[-1][2]["zero_copy"] is True
     with pytest.raises(ArgumentError, match="low_latency_combine: handle must be the handle a low_latency_dispatch"):
         b.low_latency_combine(y, idx, w, ("src_info", "layout_range", 32, 256, 8))
 
@@ -617,7 +624,6 @@ def test_what_epjit_lacks_is_refused_by_name(made):
     refusals = {
         "dispatch_wait_recv_cost_stats": lambda: b.low_latency_dispatch(x, idx, 32, 8,
                                                                         dispatch_wait_recv_cost_stats=_ints(2)),
-        "use_logfmt=True": lambda: b.low_latency_combine(x, idx, idx, None, use_logfmt=True),
         "combine_wait_recv_cost_stats": lambda: b.low_latency_combine(x, idx, idx, None,
                                                                       combine_wait_recv_cost_stats=_ints(2)),
         "low_latency_update_mask_buffer": lambda: b.low_latency_update_mask_buffer(1, True),

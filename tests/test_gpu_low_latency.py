@@ -11,8 +11,24 @@ from .gpu import RANKS, gpu_count, placement, quick, require_gpus, run_ranks, tw
 pytestmark = pytest.mark.gpu
 
 
+def _check_logfmt(results: list[dict]) -> None:
+    """use_logfmt=True: refused with zero_copy and as text; run against the reference where the Buffer has no put
+    path, refused where it has one."""
+    for r in results:
+        logfmt, puts = r["logfmt"], r["build"] != "low_latency"
+        refused = logfmt["refused"]
+        assert "use_logfmt must be True or False, got 'yes'" in refused["not_bool"], refused
+        if puts:  # the put path is refused first, zero_copy or not
+            no_puts = "needs every peer reached through an NVLink pointer"
+            assert logfmt["cases"] == 0 and no_puts in refused["put_path"] and no_puts in refused["zero_copy"], logfmt
+        else:
+            assert "zero_copy=True and use_logfmt=True together are not supported" in refused["zero_copy"], refused
+            assert logfmt["cases"] == 3 and logfmt["max_diff"] < 1e-5, logfmt
+
+
 def _check(results: list[dict], n: int) -> None:
     assert len(results) == n
+    _check_logfmt(results)
     for r in results:
         assert r["cases"] >= 3 and r["max_diff"] < 1e-3, r
         assert r["graph_replays"] == 6, r
@@ -45,6 +61,19 @@ def test_low_latency_against_reference(n, shared):
     _check(results, n)
     assert all(r["build"] == "low_latency" for r in results), results  # every peer has an NVLink pointer
     print("\n".join(str(r) for r in results))
+
+
+def test_low_latency_logfmt_combine():
+    """use_logfmt=True alone on 2 ranks (DeepEP's LogFMT-10 combine against the reference, its refusals): the
+    quick proof of it; the runs above check it too, on every rank count and build."""
+    env = two_ranks()
+    pytest.importorskip("torch")
+    code, output, results = run_ranks("launch", 2, "tests/ranks/low_latency.py", "--logfmt-only",
+                                      env={"EPJIT_TIMEOUT_S": "60", **env}, timeout=300)
+    assert code == 0, output[-8000:]
+    assert len(results) == 2 and all(r["build"] == "low_latency" for r in results), results
+    _check_logfmt(results)
+    print("\n".join(str(r["logfmt"]) for r in results))
 
 
 def test_low_latency_through_nvshmem_puts():

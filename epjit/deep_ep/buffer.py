@@ -474,17 +474,16 @@ class Buffer:
                             out: Any = None,
                             combine_wait_recv_cost_stats: Any = None) -> tuple[Any, EventOverlap, Any]:
         """(combined_x, event, hook): for each token, sum over k of topk_weights * the expert output of its row."""
-        if use_logfmt is not False and check_flag(use_logfmt, "use_logfmt"):
-            raise _unsupported("use_logfmt=True", "epjit's low-latency combine sends bf16 only")
         if combine_wait_recv_cost_stats is not None:
             raise _unsupported("combine_wait_recv_cost_stats", "epjit's kernels do not time their waits")
         async_finish = _async_or_hook(async_finish, return_recv_hook, "low_latency_combine")
         ll = self._ll if self._ll is not None else self._made_low_latency()
         inner = _epjit_handle(handle, LowLatencyHandle, "low_latency_combine")
-        if zero_copy is not False and check_flag(zero_copy, "zero_copy"):
-            x = self._zero_copy_input(ll, x, inner)
+        if zero_copy is not False and check_flag(zero_copy, "zero_copy") and not check_flag(use_logfmt, "use_logfmt"):
+            x = self._zero_copy_input(ll, x, inner)  # (with use_logfmt, epjit refuses the pair, as DeepEP asserts)
         c = ll.low_latency_combine(x, topk_idx, topk_weights, inner, zero_copy=zero_copy, out=out,
-                                   return_recv_hook=return_recv_hook, async_finish=async_finish)
+                                   return_recv_hook=return_recv_hook, async_finish=async_finish,
+                                   use_logfmt=use_logfmt)
         return c.x, overlap_of(c.event, async_finish), c.hook
 
     def _zero_copy_input(self, ll: Any, x: Any, handle: Any) -> Any:

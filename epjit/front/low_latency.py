@@ -9,6 +9,7 @@ from ..arrays import address, check, fingerprint, from_cupy, kernel_array
 from ..errors import ArgumentError, check_flag, check_int, with_rank
 from ..group import Group
 from ..kernels.low_latency import (
+    LOGFMT_CHANNELS,
     LOW_LATENCY_MAX_TOPK,
     MAX_DYNAMIC_SHARED_BYTES,
     dispatch_shared_bytes,
@@ -144,28 +145,45 @@ class LowLatencyFront:
         return from_cupy(ops.next_combine_buffer(handle), handle.meta.framework)
 
     def combine(self, y: Any, topk_idx: Any, topk_weights: Any, handle: LowLatencyHandle, zero_copy: Any,
-                out: Any, return_recv_hook: Any, async_finish: Any) -> LowLatencyCombineResult:
+                out: Any, return_recv_hook: Any, async_finish: Any, use_logfmt: Any) -> LowLatencyCombineResult:
         ops = self.ops
         ops.raise_status()
         ops.check_handle(handle, self.buffer_id)
+        # use_logfmt is in the key as given: "False" (truthy) never finds a plan, and is refused there.
         key = ("ll_combine", fingerprint(y), fingerprint(topk_idx), fingerprint(topk_weights), fingerprint(out),
-               handle.num_topk, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+               handle.num_topk, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts,
+               use_logfmt)
         plan = self.plans.get(key)
         if plan is None:
-            plan, y, topk_idx, topk_weights, out = self._combine_plan(key, y, topk_idx, topk_weights, out, handle)
-        if check_flag(zero_copy, "zero_copy") and not ops.is_combine_buffer(address(y)):
-            raise ArgumentError(with_rank("zero_copy=True needs y from get_next_low_latency_combine_buffer(handle)"))
+            plan, y, topk_idx, topk_weights, out = self._combine_plan(key, y, topk_idx, topk_weights, out, handle,
+                                                                      use_logfmt)
+        if check_flag(zero_copy, "zero_copy"):
+            if use_logfmt:
+                raise ArgumentError(with_rank("zero_copy=True and use_logfmt=True together are not supported "
+                                              "(as in DeepEP): a LogFMT combine encodes y on the way out"))
+            if not ops.is_combine_buffer(address(y)):
+                raise ArgumentError(with_rank(
+                    "zero_copy=True needs y from get_next_low_latency_combine_buffer(handle)"))
         inputs = self.combine_inputs
         inputs.y, inputs.topk_idx, inputs.topk_weights, inputs.out = y, topk_idx, topk_weights, out
         hook, async_finish = _flags(return_recv_hook, async_finish)
         return ops.combine(plan, inputs, handle, hook, async_finish)
 
     def _combine_plan(self, key: tuple[Any, ...], y: Any, topk_idx: Any, topk_weights: Any, out: Any,
-                      handle: LowLatencyHandle) -> tuple[Any, ...]:
+                      handle: LowLatencyHandle, use_logfmt: Any) -> tuple[Any, ...]:
         """Validate a combine whose shape has no plan yet: its plan, and this call's arrays as the kernels take
         them."""
         dev = self.device
         m, hidden, e, r = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts, self.num_ranks
+        if check_flag(use_logfmt, "use_logfmt"):
+            if hidden % LOGFMT_CHANNELS:
+                raise ArgumentError(with_rank(f"use_logfmt=True needs hidden % {LOGFMT_CHANNELS} == 0 (a LogFMT "
+                                              f"group is {LOGFMT_CHANNELS} channels), hidden={hidden}"))
+            if self.ops.puts:
+                raise ArgumentError(with_rank(
+                    "use_logfmt=True needs every peer reached through an NVLink pointer: this Buffer sends to some "
+                    "through the put path (a peer on another node, or EPJIT_LL_FORCE_PUTS), which has no LogFMT "
+                    "encoder"))
         y_info = check(y, "y", dtype="bfloat16", shape=(e // r, r * m, hidden), shape_note="as the dispatch delivered",
                        device=dev)
         k_info = check(topk_idx, "topk_idx", dtype="int64", shape=("N", ("K", handle.num_topk)),
@@ -178,7 +196,7 @@ class LowLatencyFront:
         if out is not None:
             out = kernel_array(out, check(out, "out", dtype="bfloat16", shape=(("N", num_tokens), ("H", hidden)),
                                           device=dev), "out")
-        plan = self.ops.combine_plan(y_info.framework, num_tokens, handle.num_topk)
+        plan = self.ops.combine_plan(y_info.framework, num_tokens, handle.num_topk, use_logfmt)
         return (self.plans.remember(key, plan), kernel_array(y, y_info, "y"),
                 kernel_array(topk_idx, k_info, "topk_idx"), kernel_array(topk_weights, w_info, "topk_weights"), out)
 

@@ -19,6 +19,13 @@ FORMAT_FLAGGED_DISPATCH = 1 << 16
 MAX_DYNAMIC_SHARED_BYTES = 227 * 1024  # sm_90's opt-in limit per block
 # EPJIT_PROFILE: enum TimelinePoint of cuda_src/low_latency.cu, in order (stamps per block, timeline.cuh)
 TIMELINE_POINTS = ("start", "acks", "sent", "counted", "counts", "received", "end")
+COMBINE_ARGS = (
+    PEERS, ("y", "const int4*"), ("src_info", "const int*"), ("topk_slot", "const int*"),
+    ("layout_range", "const int64_t*"), ("topk_idx", "const int64_t*"), ("topk_weights", "const float*"),
+    ("out", "int4*"), ("num_tokens", "int"), ("num_topk", "int"), ("hidden", "int"), ("num_experts", "int"),
+    ("max_tokens", "int"), ("set", "int"), ("phases", "int"), ("force_puts", "int"),
+    ("sync", "LowLatencySync*"), ("host_status", "int*"), ("timeline", "uint64_t*"))
+LOGFMT_CHANNELS = 128  # kLogfmtChannels: the channels one LogFMT group covers
 
 
 @dataclass(frozen=True)
@@ -35,12 +42,10 @@ class LowLatencySpec(KernelSpec):
             ("host_status", "int*"), ("recv_x", "int4*"), ("recv_scales", "void*"), ("recv_src_info", "int*"),
             ("recv_topk_slot", "int*"), ("layout_range", "int64_t*"), ("recv_count", "int*"),
             ("cumulative_stats", "int*"), ("timeline", "uint64_t*")),
-        "ll_combine": (
-            PEERS, ("y", "const int4*"), ("src_info", "const int*"), ("topk_slot", "const int*"),
-            ("layout_range", "const int64_t*"), ("topk_idx", "const int64_t*"), ("topk_weights", "const float*"),
-            ("out", "int4*"), ("num_tokens", "int"), ("num_topk", "int"), ("hidden", "int"), ("num_experts", "int"),
-            ("max_tokens", "int"), ("set", "int"), ("phases", "int"), ("force_puts", "int"),
-            ("sync", "LowLatencySync*"), ("host_status", "int*"), ("timeline", "uint64_t*")),
+        "ll_combine": COMBINE_ARGS,
+        # The LogFMT-10 combine (launched on this build only: it has no put path, and its group words take the
+        # staging region's place, cuda_src/low_latency.cuh).
+        "ll_combine_logfmt": COMBINE_ARGS,
     }
 
 

@@ -253,6 +253,7 @@ class LowLatency:
         self.num_ranks = mem.group.size
         self.num_max_tokens, self.hidden, self.num_experts = num_max_tokens, hidden, num_experts
         self.force_puts = int(force_puts)
+        self.puts = needs_puts(force_puts, mem.sym)  # the build with a put path: no LogFMT combine there
         self.module = load(kernels_for(force_puts, mem.sym), device)
         with cupy.cuda.Device(device):
             self.sync = cupy.zeros(SYNC_BYTES // 4 + num_experts, dtype=cupy.int32)  # + expert_sent
@@ -297,8 +298,9 @@ class LowLatency:
                             dispatch_shared_bytes(hidden, num_tokens, num_topk, self.num_experts, self.num_ranks),
                             args)
 
-    def combine_plan(self, framework: str, num_tokens: int, num_topk: int) -> CombinePlan:
-        args = self._common_args("ll_combine").set(num_tokens=num_tokens, num_topk=num_topk)
+    def combine_plan(self, framework: str, num_tokens: int, num_topk: int, use_logfmt: bool) -> CombinePlan:
+        kernel = "ll_combine_logfmt" if use_logfmt else "ll_combine"
+        args = self._common_args(kernel).set(num_tokens=num_tokens, num_topk=num_topk)
         kind = _kind(framework)
         new_out = self.outputs.allocator(kind, (num_tokens, self.hidden), self.outputs.dtype(kind, "bfloat16"))
         return CombinePlan(framework, kind, num_tokens, new_out, args)
@@ -385,7 +387,7 @@ class LowLatency:
 
     def _launch_combine(self, args: jit.KernelArgs) -> None:
         if self.profile.enabled:
-            args.set(timeline=self.profile.timeline("ll_combine" + _PHASE_SUFFIX[args["phases"]], self.num_sms,
+            args.set(timeline=self.profile.timeline(args.kernel + _PHASE_SUFFIX[args["phases"]], self.num_sms,
                                                     TIMELINE_POINTS))
         self.module.launch(args, self.num_sms, LOW_LATENCY_THREADS, stream=self.streams.comm_ptr)
 

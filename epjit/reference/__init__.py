@@ -41,6 +41,7 @@ from .numerics import (
     fp8_bits_as_float8,
     fp8_bits_to_float32,
     fp8_to_float,
+    logfmt_cast_back,
     per_token_cast_to_fp8,
     ue8m0_to_float,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "fp8_bits_to_float32",
     "fp8_to_float",
     "get_dispatch_layout",
+    "logfmt_cast_back",
     "low_latency_combine",
     "low_latency_dispatch",
     "pack_layout_range",

@@ -21,7 +21,7 @@ from ._checks import (
     poison_bf16,
     type_error,
 )
-from .numerics import per_token_cast_to_fp8
+from .numerics import LOGFMT_CHANNELS, logfmt_cast_back, per_token_cast_to_fp8
 from .results import (
     BF16,
     FP8_BLOCK,
@@ -232,6 +232,8 @@ def low_latency_combine(
     topk_idx: Sequence[np.ndarray],
     topk_weights: Sequence[np.ndarray],
     handles: Sequence[LowLatencyHandle],
+    *,
+    use_logfmt: bool = False,
 ) -> list[LowLatencyCombineResult]:
     """Low-latency combine over simulated ranks; returns each home rank's result, whose ``x`` is ``[N, H]`` bf16.
 
@@ -246,7 +248,11 @@ def low_latency_combine(
     too. With a repeated expert, the j-th row of token ``t`` in its block (rows sorted stably by ``src_info``)
     answers the j-th slot of ``t`` naming that expert; the rows hold the same token, so any pairing gives the same
     sum for an expert that maps equal inputs to equal outputs.
+
+    ``use_logfmt=True``: each row travels as DeepEP's LogFMT-10, so ``float32(y[row])`` above is its round trip
+    :func:`~epjit.reference.numerics.logfmt_cast_back` (hidden % 128 == 0).
     """
+    use_logfmt = check_flag(use_logfmt, "use_logfmt")
     handles = per_rank("handles", handles)
     num_ranks = len(handles)
     for r, h in enumerate(handles):
@@ -265,6 +271,8 @@ def low_latency_combine(
 
     ys_in = [check_bf16(ys[r], f"ys[{r}]", 3) for r in range(num_ranks)]
     hidden = ys_in[0].shape[2]
+    if use_logfmt and hidden % LOGFMT_CHANNELS:
+        raise argument_error(f"use_logfmt=True needs hidden % {LOGFMT_CHANNELS} == 0, hidden={hidden}")
     for r in range(num_ranks):
         expected = (num_local, handles[r].src_info.shape[1], hidden)
         if ys_in[r].shape != expected:
@@ -276,6 +284,8 @@ def low_latency_combine(
         idx_in.append(check_topk_idx(topk_idx[s], f"topk_idx[{s}]", None, num_topk, num_experts))
         weights_in.append(check_topk_weights(topk_weights[s], f"topk_weights[{s}]", idx_in[s].shape))
 
+    if use_logfmt:  # (the round trip of every row, read or not: per 128 channels, so rows never mix)
+        ys_in = [logfmt_cast_back(y) for y in ys_in]
     outputs: list[LowLatencyCombineResult] = []
     for s in range(num_ranks):
         idx = idx_in[s]

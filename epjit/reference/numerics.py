@@ -89,6 +89,47 @@ def fp8_to_float(q_bits: np.ndarray, scales: np.ndarray) -> np.ndarray:
 
 
 
+LOGFMT_CHANNELS = 128  # a LogFMT group: the channels one amax/amin covers
+LOGFMT_MAX_INDEX = (1 << 9) - 1  # 9-bit magnitude indices (the 10th bit is the sign)
+LOGFMT_MIN_CLIP = 32.0  # log_amin is at least log_amax - 32
+
+
+def logfmt_cast_back(x: np.ndarray) -> np.ndarray:
+    """DeepEP's LogFMT-10 round trip of bf16 rows ``[..., H]`` (H % 128 == 0), as float32: what a LogFMT combine's
+    receiver decodes. Per 128 channels: ``amax``/``amin`` of ``|x|``, ``log_amax = log2(amax)``, ``log_amin =
+    max(log2(amin), log_amax - 32)`` (``log_amax - 32`` where ``amin`` is 0). A group with ``log_amax < 0`` and
+    ``log_amin < log_amax`` is cast: ``step = (log_amax - log_amin) / 510``, each value to the index
+    ``floor(max(log2|x| / step + 2 - log2((1 + 2**step) / 2) / step - log_amin / step, 0))`` (at most 511; the
+    rounding puts a value on the nearer, in linear terms, of the two it lies between), decoded as 0 for index 0
+    and ``2**((index - 1) * step + log_amin)`` else, with the sign of x. Any other group comes back as its bf16
+    values. All in float32 with exact log2/exp2 (the GPU uses approximate ones: tests allow for it)."""
+    values = np.asarray(x).astype(np.float32)
+    if values.ndim == 0 or values.shape[-1] % LOGFMT_CHANNELS:
+        raise argument_error(f"logfmt_cast_back needs a last dimension divisible by {LOGFMT_CHANNELS}, got shape "
+                             f"{values.shape}")
+    groups = values.reshape(-1, LOGFMT_CHANNELS)
+    magnitude = np.abs(groups)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        amax = magnitude.max(axis=1, keepdims=True)
+        amin = magnitude.min(axis=1, keepdims=True)
+        clip = np.float32(LOGFMT_MIN_CLIP)
+        log_amax = np.log2(amax)
+        log_amin = np.where(amin == 0, log_amax - clip, np.maximum(np.log2(amin), log_amax - clip))
+        cast = (log_amax < 0) & (log_amin < log_amax)
+        step = (log_amax - log_amin) / np.float32(LOGFMT_MAX_INDEX - 1)
+        step = np.where(cast, step, np.float32(1))  # (uncast groups: any finite step, their result is unused)
+        log_amin = np.where(cast, log_amin, np.float32(0))
+        step_inv = np.float32(1) / step
+        fused = (np.float32(2) - np.log2((np.float32(1) + np.exp2(step)) * np.float32(0.5)) * step_inv
+                 - log_amin * step_inv)
+        scaled = np.log2(magnitude) * step_inv + fused
+        index = np.minimum(np.floor(np.maximum(np.nan_to_num(scaled, nan=0.0), 0)), LOGFMT_MAX_INDEX)
+        decoded = np.where(index == 0, np.float32(0),
+                           np.exp2((index - np.float32(1)) * step + log_amin)).astype(np.float32)
+        decoded = np.where(np.signbit(groups), -decoded, decoded)
+    return np.where(cast, decoded, groups).astype(np.float32).reshape(values.shape)
+
+
 def calc_diff(x: np.ndarray, y: np.ndarray) -> float:
     """DeepEP's difference measure, in float64: ``1 - 2*sum(a*b) / sum(a*a + b*b)`` with ``a = x + 1, b = y + 1``.
 

@@ -1,9 +1,10 @@
 """One rank of the low-latency GPU check: dispatch (FP8 with plain, rounded and UE8M0 scales, and bf16) and combine
 against epjit.reference, with and without the receive hook, captured in a CUDA graph and replayed, 1000 calls
-alternating the buffer sets, and the Safe rules. Every rank builds every rank's inputs from the same seed and
-checks its own outputs. Prints ``RESULT {json}``; exits non-zero on the first mismatch.
+alternating the buffer sets, the Safe rules, and the LogFMT combine (use_logfmt=True) against the reference. Every
+rank builds every rank's inputs from the same seed and checks its own outputs. Prints ``RESULT {json}``; exits
+non-zero on the first mismatch.
 
-    python -m epjit.launch -n 4 tests/ranks/low_latency.py [--quick] [--loops 1000]
+    python -m epjit.launch -n 4 tests/ranks/low_latency.py [--quick] [--loops 1000] [--logfmt-only]
 """
 
 from __future__ import annotations
@@ -146,6 +147,105 @@ def run_case(buf, rank: int, R: int, seed: int, counts: list[int], topk: int, ho
     if not diff < limit:
         raise Mismatch(f"{name}: DeepEP calc_diff {diff} >= {limit}")
     return {"diff": diff}
+
+
+# LogFMT combine: where the GPU's approximate log2 puts a value's index one step off the reference's (near a
+# rounding boundary, rare), the value moves by at most 2^step - 1 <= 2^(32/510) - 1 < 4.5% of itself.
+LOGFMT_STEP_OFF = 0.05
+
+
+def logfmt_expected(x: np.ndarray, idx: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The reference's LogFMT combine for the test's experts: each row bf16(x * factor) through
+    reference.logfmt_cast_back, weighted and summed in float32 in k order; and sum_k |w * y| a channel (the scale
+    of the tolerance)."""
+    acc, scale = np.zeros(x.shape, dtype=np.float32), np.zeros(x.shape, dtype=np.float32)
+    for k in range(idx.shape[1]):
+        valid = idx[:, k] >= 0
+        y = (x.astype(np.float32) * expert_factor(np.where(valid, idx[:, k], 0))[:, None]).astype(BF16)
+        acc[valid] += (reference.logfmt_cast_back(y) * w[:, k][:, None])[valid]
+        scale[valid] += np.abs(y.astype(np.float32) * w[:, k][:, None])[valid]
+    return acc.astype(BF16), scale
+
+
+def check_logfmt(name: str, got: np.ndarray, want: np.ndarray, scale: np.ndarray, bf16_want: np.ndarray) -> float:
+    """A LogFMT combine against the reference's: a channel within one bf16 ulp of it plus LOGFMT_STEP_OFF of its
+    terms' magnitude, at most 1% of the channels not bit-equal, calc_diff < 1e-6; and DeepEP's bound against the
+    bf16 combine (calc_diff < 1e-5). Returns that last calc_diff."""
+    g, r = got.astype(np.float32), want.astype(np.float32)
+    err = np.abs(g - r)
+    bound = 2.0**-7 * np.abs(r) + LOGFMT_STEP_OFF * scale
+    if not np.isfinite(g).all() or (err > bound).any():
+        bad = np.argwhere(~(err <= bound))
+        first = tuple(bad[0])
+        raise Mismatch(f"{name}: {len(bad)} channels off the LogFMT reference beyond the tolerance, first at "
+                       f"{bad[:3].tolist()}: got {g[first]!r} want {r[first]!r} (bound {bound[first]!r})")
+    if g.size == 0:
+        return 0.0
+    differ = float((err > 0).mean())
+    diff_ref = reference.calc_diff(g, r)
+    diff = reference.calc_diff(g, bf16_want.astype(np.float32))
+    if differ > 0.01 or not diff_ref < 1e-6 or not diff < 1e-5:
+        raise Mismatch(f"{name}: {differ:.2%} of the channels differ from the LogFMT reference (calc_diff "
+                       f"{diff_ref}), calc_diff against the bf16 combine {diff}")
+    return diff
+
+
+def logfmt_case(buf, rank: int, R: int, seed: int, topk: int, hook: bool, full_reference: bool) -> float:
+    """One use_logfmt=True combine against the reference: tokens of three scales (groups all cast, mixed, all
+    bf16), zeros inside groups (amin 0), the test's experts scaling by 1/4..2."""
+    m, hidden, experts = buf.num_max_dispatch_tokens_per_rank, buf.hidden, buf.num_experts
+    xs, idxs, ws = make_inputs(seed, [m - r for r in range(R)], hidden, topk, experts, 0.1)
+    rng = np.random.default_rng(seed)
+    for i, x in enumerate(xs):
+        scaled = x.astype(np.float32) * rng.choice([0.005, 0.1, 1.0], size=(len(x), 1)).astype(np.float32)
+        scaled[::5, 5::9] = 0
+        xs[i] = scaled.astype(BF16)
+    x, idx, w = to_torch(xs[rank]), to_torch(idxs[rank]), to_torch(ws[rank])
+    name = f"LogFMT case seed={seed} H={hidden} E={experts} top-{topk} hook={hook}"
+    d = buf.low_latency_dispatch(x, idx, m, experts, use_fp8=False)
+    sync(buf)
+    y = to_torch(expert_outputs(to_numpy(d.handle.src_info), to_numpy(d.handle.layout_range), xs, rank, experts))
+    c = buf.low_latency_combine(y, idx, w, d.handle, return_recv_hook=hook, use_logfmt=True)
+    if hook:
+        c.hook()
+    sync(buf)
+    got, bf16_want = to_numpy(c.x), expected_combine(xs[rank], idxs[rank], ws[rank])
+    want, scale = logfmt_expected(xs[rank], idxs[rank], ws[rank])
+    diff = check_logfmt(name, got, want, scale, bf16_want)
+    if full_reference:  # the reference's own combine, from every rank's y in the reference layout
+        ref_d = reference.low_latency_dispatch(xs, idxs, m, experts, use_fp8=False)
+        ys = [expert_outputs(ref_d[r].src_info, ref_d[r].layout_range, xs, r, experts) for r in range(R)]
+        ref_c = reference.low_latency_combine(ys, idxs, ws, [r_.handle for r_ in ref_d], use_logfmt=True)
+        check_logfmt(f"{name} vs reference.low_latency_combine", got, ref_c[rank].x, scale, bf16_want)
+    return diff
+
+
+def logfmt_check(bufs: list, rank: int, R: int) -> dict:
+    """use_logfmt=True: its refusals (zero_copy with it, a flag not a bool; the whole mode where the Buffer has a
+    put path), then, where it runs, its cases against the reference."""
+    big, mid, small = bufs
+    m, experts = mid.num_max_dispatch_tokens_per_rank, mid.num_experts
+    xs, idxs, ws = make_inputs(91, [4] * R, mid.hidden, 2, experts, 0.0)
+    x, idx, w = to_torch(xs[rank]), to_torch(idxs[rank]), to_torch(ws[rank])
+    d = mid.low_latency_dispatch(x, idx, m, experts, use_fp8=False)
+    sync(mid)
+    refused: dict[str, str] = {}
+    calls = {"zero_copy": lambda: mid.low_latency_combine(mid.get_next_low_latency_combine_buffer(d.handle), idx, w,
+                                                          d.handle, zero_copy=True, use_logfmt=True),
+             "not_bool": lambda: mid.low_latency_combine(d.x, idx, w, d.handle, use_logfmt="yes")}
+    if mid._low_latency.ops.puts:
+        calls["put_path"] = lambda: mid.low_latency_combine(d.x, idx, w, d.handle, use_logfmt=True)
+    for key, call in calls.items():  # refused before any kernel on every rank: the ranks stay in step
+        try:
+            call()
+            refused[key] = "NOT REFUSED"
+        except (ValueError, TypeError, epjit.EpjitError) as e:
+            refused[key] = str(e)
+    if mid._low_latency.ops.puts:
+        return {"cases": 0, "refused": refused}
+    diffs = [logfmt_case(big, rank, R, 60, 8, False, False), logfmt_case(mid, rank, R, 61, 4, True, False),
+             logfmt_case(small, rank, R, 62, min(2, R), False, True)]
+    return {"cases": len(diffs), "max_diff": max(diffs), "refused": refused}
 
 
 def graph_check(buf, group, rank: int, R: int) -> int:
@@ -345,6 +445,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--loops", type=int, default=1000)
     parser.add_argument("--num-nvl-ranks", type=int, default=None, help="ranks a node (default: the host's)")
+    parser.add_argument("--logfmt-only", action="store_true", help="only the use_logfmt=True checks")
     args = parser.parse_args()
     group = epjit.init(num_nvl_ranks=args.num_nvl_ranks)
     torch.cuda.set_device(group.device)
@@ -359,6 +460,9 @@ def main() -> int:
                     "nvlink_peers": [pe for pe, ptr in enumerate(bufs[0].mem.sym.peer_ptrs) if ptr],
                     "symmetric": type(bufs[0].mem.sym).__name__}
     big, mid, small = bufs
+    result["logfmt"] = logfmt_check(bufs, rank, R)
+    if args.logfmt_only:
+        return finish(result, bufs, group, started)
     cases = [
         # (buffer, counts, topk, holes, fp8, round, ue8m0, hook, repeats, small)
         (big, [128] * R, 8, 0.0, True, False, False, False, False, False),
@@ -390,6 +494,10 @@ def main() -> int:
     result["loops"] = loops_check(small, rank, R, 20 if args.quick else args.loops)
     result["extras"] = extras_check(mid, rank, R)
     result["refused"] = refusals(small, group, rank, R)
+    return finish(result, bufs, group, started)
+
+
+def finish(result: dict, bufs: list, group, started: float) -> int:
     result["nvshmem_initialised"] = epjit.memory.live_resources()["nvshmem_initialised"]
     for b in bufs:
         b.close()
