@@ -2,7 +2,7 @@
 on epjit through ``epjit.deep_ep.install()``, one rank a GPU, and print one PASS/FAIL line a script.
 
     python scripts/deepep_tests.py --source /path/to/DeepEP [--gpus 4] [--small] [--only internode] [--timeout 900]
-                                   [--script-args "--use-logfmt"]
+                                   [--script-args=--use-logfmt]
 
 The checkout's tests/ is copied to a temporary directory and changed only where a test cannot hold for another
 library (docs/deep_ep.md lists the changes, SUBSTITUTIONS below): its ``bench_kineto`` finds epjit's kernels
@@ -203,8 +203,10 @@ def main() -> None:
                         help="run these scripts only")
     parser.add_argument("--small", action="store_true", help="fewer tokens than the scripts' defaults")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a script (default: 900)")
-    parser.add_argument("--script-args", default="", help="more arguments for every script run, e.g. '--use-logfmt' "
-                        "(with --only low_latency: the options only DeepEP's low-latency script has)")
+    parser.add_argument("--script-args", default="",
+                        help="more arguments for every script run, written with '=' since they start with '--': "
+                             "--script-args=--use-logfmt (with --only low_latency: the option only DeepEP's "
+                             "low-latency script has)")
     a = parser.parse_args()
     if a.source is None or not (Path(a.source) / "tests" / "utils.py").is_file():
         parser.error(f"--source (or DEEPEP_SOURCE) must name a DeepEP checkout with tests/, got {a.source}")
