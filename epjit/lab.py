@@ -30,11 +30,11 @@ from .jit.module import cupy_stream
 from .jit.program import CompiledProgram, Program, compile_program
 from .jit.signature import KernelSignature, Parameter, SignatureError, parse_kernels
 from .kernels import BarrierSpec, jit_config
-from .lab_variants import Comparison, Variant, combine_problems, compare, dispatch_problems, make_variant, use_variant
+from .lab_variants import Variant, combine_problems, dispatch_problems, make_variant, use_variant
 from .ops.loader import load
 
-__all__ = ["Comparison", "Kernel", "Module", "Peers", "Variant", "combine_problems", "compare", "compile",
-           "dispatch_problems", "use_variant", "variant"]
+__all__ = ["Kernel", "Module", "Peers", "Variant", "combine_problems", "compile", "dispatch_problems", "use_variant",
+           "variant"]
 
 # struct code of a C type (epjit.jit.signature.SCALARS) -> the NumPy scalar CuPy passes with the same size
 _NUMPY = {"?": np.bool_, "b": np.int8, "B": np.uint8, "h": np.int16, "H": np.uint16, "i": np.int32,
@@ -77,8 +77,8 @@ def variant(family: str, *, source: str | os.PathLike[str] | None = None, replac
     or a ``.cu`` path) with each ``replace`` text replaced (every occurrence; a text that does not occur is refused,
     naming it) and compiled with ``defines`` beyond the build's own, for ``arch`` (as :func:`compile`'s) now, so a
     compile error shows here. Its kernels must take the built-in's arguments (names, order, C types), checked before
-    the compile. Run it on a Buffer with :func:`use_variant`, beside the built-in with :func:`compare`; ``name``
-    names it in cache files and messages."""
+    the compile. Run it on a Buffer with :func:`use_variant`, beside the built-in with epjit.bench.variant.compare;
+    ``name`` names it in cache files and messages."""
     config = jit_config()
     made = make_variant(family, None if source is None else _read_source(source), replace or {}, _defines(defines),
                         name, _arch(arch, config))

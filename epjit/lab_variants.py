@@ -1,20 +1,19 @@
-"""Variants of the built-in kernels for the kernel lab (epjit.lab.variant, use_variant, compare).
+"""Variants of the built-in kernels for the kernel lab (epjit.lab.variant, use_variant).
 
 A variant is a family's own source edited (a text replaced, a define added, or a whole edited copy of the file),
 compiled with the family's spec in place of the built-in source: the spec's name expressions, defines and NVSHMEM
 link, a cache entry of its own. Its kernels must take the built-in spec's arguments (names, order, C types),
 checked from its text before anything compiles, because a Buffer launches it with the arguments its plans packed
 for the built-in kernels. ``use_variant`` swaps the module a Buffer's low-latency calls launch for the variant's and
-restores it after; ``compare`` runs one call both ways, checks each result and times each with the benchmark's
-protocol (CUDA-graph replays, docs/benchmark.md).
+restores it after; ``dispatch_problems`` and ``combine_problems`` hold a call's result against epjit.reference
+(epjit.bench.variant times a variant beside the built-in kernels with the benchmark's protocol).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -201,47 +200,6 @@ def use_variant(buffer: Any, variant: Variant) -> Iterator[jit.Module]:
     if _pending(ops):
         raise ArgumentError(with_rank(f"use_variant: the receive hook of {_pending(ops)[0]} has not run inside the "
                                       "with: it would run the built-in's receive half after the variant's send"))
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """One call run with a variant and with the built-in kernels: each one's median (CUDA-graph replays, this
-    rank's figure, docs/benchmark.md's protocol) and what its check found wrong (nothing: it matched)."""
-
-    variant: str
-    variant_us: float
-    built_in_us: float
-    variant_problems: tuple[str, ...]
-    built_in_problems: tuple[str, ...]
-    repeat: int
-
-    @property
-    def matches(self) -> bool:
-        return not self.variant_problems and not self.built_in_problems
-
-    def __str__(self) -> str:
-        verdict = "both match the reference" if self.matches else "; ".join(
-            f"{who}: {', '.join(p)}" for who, p in (("variant", self.variant_problems),
-                                                   ("built-in", self.built_in_problems)) if p)
-        return (f"variant {self.variant}: {self.variant_us:.1f} us, built-in {self.built_in_us:.1f} us "
-                f"(median of {self.repeat} CUDA-graph replays, this rank); {verdict}")
-
-
-def compare(buffer: Any, variant: Variant, call: Callable[[], Any], check: Callable[[Any], Iterable[str]], *,
-            repeat: int = 20) -> Comparison:
-    """Collective (every rank at once): ``call()`` (one low-latency call on ``buffer``, returning its result) with
-    ``variant`` and with the built-in kernels; ``check(result)`` lists what differs from the reference (e.g.
-    ``dispatch_problems``); each timed as the benchmark times the low-latency rows (graph_us). Needs torch and the
-    benchmark's NCCL group (epjit.bench.protocol.init_with_nccl), as the benchmark does."""
-    from .bench.protocol import graph_us
-
-    figures = {}
-    for who, context in (("variant", use_variant(buffer, variant)), ("built-in", nullcontext())):
-        with context:
-            problems = tuple(check(call()))
-            figures[who] = (graph_us(call, buffer.group, repeat), problems)
-    return Comparison(variant.name, figures["variant"][0], figures["built-in"][0], figures["variant"][1],
-                      figures["built-in"][1], repeat)
 
 
 def dispatch_problems(result: Any, want: Any) -> list[str]:

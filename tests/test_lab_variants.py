@@ -1,8 +1,9 @@
-"""Variants of the built-in kernels (epjit.lab.variant, use_variant, compare): an edited low_latency.cu compiles for
-sm_90 without a GPU into a cache entry of its own, a replacement that does not occur and kernels that no longer take
-the built-in's arguments are refused before anything compiles, compile errors quote the edited text, the swap on
-a Buffer (a stand-in here) restores the built-in module, and the checks against epjit.reference find a changed
-row. The GPU runs of the notebook (tests/test_notebooks.py) launch a variant and time it."""
+"""Variants of the built-in kernels (epjit.lab.variant, use_variant; epjit.bench.variant.compare): an edited
+low_latency.cu compiles for sm_90 without a GPU into a cache entry of its own, a replacement that does not occur and
+kernels that no longer take the built-in's arguments are refused before anything compiles, compile errors quote the
+edited text, the swap on a Buffer (a stand-in here) restores the built-in module, and the checks against
+epjit.reference find a changed row. The notebook's GPU run (tests/test_notebooks.py) launches a variant and times
+it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 
 import epjit.lab
 from epjit import lab_variants, reference
+from epjit.bench.variant import Comparison
 from epjit.errors import ArgumentError, CompileError
 from epjit.jit import compile_spec
 from epjit.kernels import LowLatencySpec, cuda_sources, jit_config
@@ -172,8 +174,8 @@ def test_the_reference_checks_find_a_changed_row():
 
 
 def test_a_comparison_reads_as_one_line():
-    same = lab_variants.Comparison("in_flight_4", 31.25, 30.5, (), (), 20)
+    same = Comparison("in_flight_4", 31.25, 30.5, (), (), 20)
     assert str(same) == ("variant in_flight_4: 31.2 us, built-in 30.5 us (median of 20 CUDA-graph replays, this "
                          "rank); both match the reference") and same.matches
-    wrong = lab_variants.Comparison("v", 1.0, 2.0, ("x[0] differs",), (), 5)
+    wrong = Comparison("v", 1.0, 2.0, ("x[0] differs",), (), 5)
     assert not wrong.matches and str(wrong).endswith("; variant: x[0] differs")
