@@ -30,9 +30,11 @@ from .jit.module import cupy_stream
 from .jit.program import CompiledProgram, Program, compile_program
 from .jit.signature import KernelSignature, Parameter, SignatureError, parse_kernels
 from .kernels import BarrierSpec, jit_config
+from .lab_variants import Variant, combine_problems, dispatch_problems, make_variant, use_variant
 from .ops.loader import load
 
-__all__ = ["Kernel", "Module", "Peers", "compile"]
+__all__ = ["Kernel", "Module", "Peers", "Variant", "combine_problems", "compile", "dispatch_problems", "use_variant",
+           "variant"]
 
 # struct code of a C type (epjit.jit.signature.SCALARS) -> the NumPy scalar CuPy passes with the same size
 _NUMPY = {"?": np.bool_, "b": np.int8, "B": np.uint8, "h": np.int16, "H": np.uint16, "i": np.int32,
@@ -66,6 +68,22 @@ def compile(source: str | os.PathLike[str], *, name: str | None = None,
     except jit.JitError as e:
         raise SetupError(with_rank(str(e))) from e
     return Module(compiled, config)
+
+
+def variant(family: str, *, source: str | os.PathLike[str] | None = None, replace: Mapping[str, str] | None = None,
+            defines: Mapping[str, object] | Iterable[str] | None = None, name: str | None = None,
+            arch: str | int | None = None) -> Variant:
+    """A variant of a built-in family's kernels (``"low_latency"``): its source (or ``source``, an edited copy: text
+    or a ``.cu`` path) with each ``replace`` text replaced (every occurrence; a text that does not occur is refused,
+    naming it) and compiled with ``defines`` beyond the build's own, for ``arch`` (as :func:`compile`'s) now, so a
+    compile error shows here. Its kernels must take the built-in's arguments (names, order, C types), checked before
+    the compile. Run it on a Buffer with :func:`use_variant`, beside the built-in with epjit.bench.variant.compare;
+    ``name`` names it in cache files and messages."""
+    config = jit_config()
+    made = make_variant(family, None if source is None else _read_source(source), replace or {}, _defines(defines),
+                        name, _arch(arch, config))
+    made.compiled()
+    return made
 
 
 def _read_source(source: str | os.PathLike[str]) -> tuple[str, str, tuple[Path, ...]]:

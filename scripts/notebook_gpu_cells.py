@@ -1,7 +1,8 @@
-"""Run the Jupyter tour's engine cells (the ``%%px`` ones) as one script per rank, for GPU machines without
-ipyparallel:
+"""Run a notebook's engine cells (the ``%%px`` ones; by default the Jupyter tour's) as one script per rank, for GPU
+machines without ipyparallel:
 
     python3 -m epjit.launch -n 2 scripts/notebook_gpu_cells.py [examples/notebooks/epjit_tour.ipynb]
+    python3 -m epjit.launch -n 2 scripts/notebook_gpu_cells.py examples/notebooks/kernel_lab.ipynb
 
 Each rank executes the cells in order, as an MPI engine of the notebook would; the notebook's own run under
 ipyparallel is tests/test_notebooks.py.

@@ -32,8 +32,9 @@ LAYERS = [
     ("epjit.ops",),
     ("epjit.front",),
     ("epjit.buffer",),
-    # Your own kernels on the runtime (compile, launch by name; later the peer memory of a Buffer).
-    ("epjit.lab",),
+    # Your own kernels on the runtime (compile, launch by name; variants of the built-in kernels on a Buffer; later the
+    # peer memory of a Buffer).
+    ("epjit.lab", "epjit.lab_variants"),
     ("epjit.bench", "epjit"),
 ]
 # Beyond the layers: peer memory (IPC, NVSHMEM) does not reach into the JIT.

@@ -1,5 +1,7 @@
-"""The Jupyter tour runs top to bottom: part 1 on the reference backend, part 2's ipyparallel MPI engines forming
-an epjit group (their kernel cells run where there are GPUs and say they skip elsewhere)."""
+"""The Jupyter notebooks run top to bottom. The tour: part 1 on the reference backend, part 2's ipyparallel MPI
+engines forming an epjit group (their kernel cells run where there are GPUs and say they skip elsewhere). The kernel
+lab: a kernel of one's own and a variant of the low-latency dispatch compiled on every engine (for sm_90 without
+GPUs), launched, checked against the reference and timed beside the built-in where there are GPUs."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "examples" / "notebooks" / "epjit_tour.ipynb"
+KERNEL_LAB = ROOT / "examples" / "notebooks" / "kernel_lab.ipynb"
 
 
 def _text(nb) -> str:
@@ -23,16 +26,41 @@ def _text(nb) -> str:
     return "\n".join(parts)
 
 
-def test_tour_notebook_runs(tmp_path):
+def _run(path: Path, tmp_path: Path, timeout: int) -> str:
+    """The notebook executed headless on ipyparallel's MPI engines; its outputs' text."""
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     pytest.importorskip("ipyparallel")
     if not (shutil.which("mpiexec") or (Path(sys.executable).parent / "mpiexec").exists()):
         pytest.skip("no mpiexec for ipyparallel's MPI engines")
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbclient.NotebookClient(nb, timeout=240, kernel_name="python3",
+    nb = nbformat.read(path, as_version=4)
+    nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
                             resources={"metadata": {"path": str(tmp_path)}}).execute()
     text = _text(nb)
     assert "ERROR" not in text, text[-4000:]
+    return text
+
+
+def test_tour_notebook_runs(tmp_path):
+    text = _run(NOTEBOOK, tmp_path, 240)
     assert "from (source rank, token): [(0, 1), (0, 4), (2, 2)]" in text, text[-4000:]
     assert "rank 1 of " in text and "(mpi)" in text, text[-4000:]  # every engine joined one MPI group
+
+
+def test_kernel_lab_notebook_runs(tmp_path, monkeypatch):
+    """Without GPUs every compile cell runs on both engines (sm_90) and the launch cells say why they skip; with
+    GPUs the all-gather is checked, and the variant matches the reference and is timed beside the built-in."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) not installed")
+    monkeypatch.setenv("EPJIT_CACHE_DIR", str(tmp_path / "cache"))  # the engines inherit it: a cold compile
+    text = _run(KERNEL_LAB, tmp_path, 420)
+    for rank in (0, 1):
+        assert f"rank {rank}: compiled for sm_" in text and "void all_gather_row(" in text, text[-4000:]
+        assert f"rank {rank}: <epjit.lab.Variant in_flight_4 of low_latency" in text, text[-4000:]
+    assert "parameter row_ints (int, declared at <source>:4) must be an integer, got float" in text, text[-4000:]
+    assert "ll_dispatch's parameter 4 is 'int num_topk', the built-in's is 'int num_tokens'" in text, text[-4000:]
+    from epjit.group.topology import visible_gpus
+
+    if visible_gpus()[0] >= 2:
+        assert text.count("each as sent: True") >= 2 and text.count("both match the reference") >= 2, text[-4000:]
+    else:
+        assert "launching it needs a GPU an engine" in text and "running it needs a GPU an engine" in text

@@ -3,10 +3,10 @@
 Its modules: ``cli`` (the command line, its checks and the run), ``protocol`` (the timing protocol: every rank
 starting together, medians of CUDA-event spans, CUDA graphs of a call, the host's time of one), ``normal`` and
 ``low_latency`` (each mode's cases and rows), ``ceilings`` (the copy and put ceilings), ``peers`` (NCCL and DeepEP
-making the same calls), ``report`` (the rows, their table, ``--json`` and ``--summary``) and ``kernels`` (the
-benchmark's own kernel specs). The names below are what tests and tools use; a tool that times something as the
-benchmark does takes ``init_with_nccl``, ``start_together``, ``median_us``, ``graph_us`` (or ``graph``),
-``hook_halves_us`` and ``host_us``.
+making the same calls), ``report`` (the rows, their table, ``--json`` and ``--summary``), ``kernels`` (the
+benchmark's own kernel specs) and ``variant`` (a kernel lab variant timed beside the built-in kernels). The names
+below are what tests and tools use; a tool that times something as the benchmark does takes ``init_with_nccl``,
+``start_together``, ``median_us``, ``graph_us`` (or ``graph``), ``hook_halves_us`` and ``host_us``.
 """
 
 from __future__ import annotations

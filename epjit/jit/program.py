@@ -17,6 +17,8 @@ from pathlib import Path
 
 from .compiler import (
     _INCLUDE,
+    CompiledModule,
+    _read_cached,
     hash_toolchain_and_files,
     included_files,
     normalize_arch,
@@ -27,6 +29,7 @@ from .compiler import (
 )
 from .config import JitConfig
 from .signature import KernelSignature, parse_kernels
+from .spec import KernelSpec
 
 
 @dataclass(frozen=True)
@@ -67,9 +70,14 @@ def program_headers(program: Program, config: JitConfig) -> list[Path]:
     return files
 
 
-def program_key(program: Program, arch: str, options: list[str], config: JitConfig) -> str:
+def program_key(program: Program, arch: str, options: list[str], config: JitConfig,
+                in_place_of: KernelSpec | None = None) -> str:
+    """The cache key of ``program`` (``in_place_of``: the spec whose kernels it builds, for an edited copy of a
+    spec's source, whose name expressions are the spec's)."""
     h = hashlib.sha256()
     h.update(f"version {config.version}\nprogram {program.name}\n{arch}\n".encode())
+    if in_place_of is not None:
+        h.update(f"in place of {type(in_place_of).__name__} {in_place_of!r}\n".encode())
     h.update(program.text.encode())
     return hash_toolchain_and_files(h, options, config, program.uses_nvshmem, program_headers(program, config))
 
@@ -109,3 +117,29 @@ def compile_program(program: Program, arch: str, config: JitConfig, *, force: bo
     write_entry(cubin_path, meta_path, cubin, meta)
     return CompiledProgram(program, kernels, arch, cubin_path, False, time.perf_counter() - start)
 
+
+
+def compile_variant(program: Program, spec: KernelSpec, arch: str, config: JitConfig, *,
+                    force: bool = False) -> CompiledModule:
+    """``spec``'s kernels built from ``program``'s text (an edited copy of the spec's SOURCE) in place of the
+    source: the spec's name expressions and defines (the program's defines after them), its NVSHMEM link, and a
+    cache entry of its own, keyed by the text as any program is. The module it gives launches the spec's
+    arguments; that the text's kernels still take them is the caller's to check first (epjit.lab does)."""
+    arch = normalize_arch(arch)
+    start = time.perf_counter()
+    options = program_options(arch, config, (*spec.DEFINES, *program.defines), spec.USES_NVSHMEM,
+                              program.include_dirs)
+    key = program_key(program, arch, options, config, in_place_of=spec)
+    folder = config.cache_dir / config.version / arch
+    stem = f"{program.stem}.{spec.family}.{key}"
+    cubin_path, meta_path = folder / f"{stem}.cubin", folder / f"{stem}.json"
+    names = None if force else _read_cached(cubin_path, meta_path, spec)
+    if names is not None:
+        return CompiledModule(spec, arch, cubin_path, names, True, time.perf_counter() - start)
+    cubin, names, _ = nvrtc_compile(program.text, program.name, program.name, spec.name_expressions(), options,
+                                    cubin_path, explain=lambda log_text: quote_lines(log_text, program))
+    if spec.USES_NVSHMEM:
+        cubin = nvjitlink_nvshmem(stem, arch, cubin)
+    meta = {"lowered_names": names, "spec": repr(spec), "program": program.name, "arch": arch, "options": options}
+    write_entry(cubin_path, meta_path, cubin, meta)
+    return CompiledModule(spec, arch, cubin_path, names, False, time.perf_counter() - start)

@@ -140,6 +140,18 @@ def _parameter(program: str, kernel: str, piece: str, offset: int, text: str) ->
 def parse_kernels(text: str, program: str = "<source>") -> dict[str, KernelSignature]:
     """Every ``extern "C" __global__`` function of ``text`` by name, in order of appearance (a declaration and its
     definition count once). ``program`` names the text in errors (a file's path, or ``<source>``)."""
+    return _read_globals(text, program, launchable=True)
+
+
+def parse_globals(text: str, program: str = "<source>") -> dict[str, KernelSignature]:
+    """Every ``__global__`` function of ``text`` by name, templates and C++ linkage included: the kernels of a
+    spec's source (launched through the spec's name expressions), read to hold an edited copy against its spec."""
+    return _read_globals(text, program, launchable=False)
+
+
+def _read_globals(text: str, program: str, launchable: bool) -> dict[str, KernelSignature]:
+    """The ``__global__`` functions; ``launchable``: refuse those a launch by name cannot find (a template, C++
+    linkage)."""
     # Comments and preprocessor lines (a macro may spell a kernel's declaration) are blanked, line breaks kept.
     text = _DIRECTIVE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), blank_comments(text))
     blocks = _extern_c_blocks(text)
@@ -154,13 +166,8 @@ def parse_kernels(text: str, program: str = "<source>") -> dict[str, KernelSigna
             raise SignatureError(f"{program}:{line}: cannot read the __global__ function declared here")
         name = named.group(1)
         before = text[max(0, m.start() - 200):m.start()]
-        if re.search(r">\s*$", before) and re.search(r"\btemplate\s*<", before):
-            raise SignatureError(f"{program}:{line}: kernel {name} is a template, which a launch cannot name: "
-                                 f'make it a __device__ template called by an extern "C" __global__ function')
-        extern_c = re.search(r'\bextern\s+"C"\s*$', before) or any(a <= m.start() < b for a, b in blocks)
-        if not extern_c:
-            raise SignatureError(f'{program}:{line}: kernel {name} is not extern "C": a launch finds a kernel by '
-                                 f'its name, which C++ linkage mangles (declare it extern "C" __global__)')
+        if launchable:
+            _check_launchable(program, line, name, before, any(a <= m.start() < b for a, b in blocks))
         close = _closing(text, paren)
         pieces = [(p, o) for p, o in _split_top_level(text, paren + 1, close) if p.strip() not in ("", "void")]
         parameters = tuple(_parameter(program, name, p, o, text) for p, o in pieces)
@@ -169,3 +176,12 @@ def parse_kernels(text: str, program: str = "<source>") -> dict[str, KernelSigna
             raise SignatureError(f"{program}:{line}: kernel {name} names a parameter twice: {names}")
         kernels.setdefault(name, KernelSignature(name, parameters, line))
     return kernels
+
+
+def _check_launchable(program: str, line: int, name: str, before: str, in_extern_c_block: bool) -> None:
+    if re.search(r">\s*$", before) and re.search(r"\btemplate\s*<", before):
+        raise SignatureError(f"{program}:{line}: kernel {name} is a template, which a launch cannot name: "
+                             f'make it a __device__ template called by an extern "C" __global__ function')
+    if not (re.search(r'\bextern\s+"C"\s*$', before) or in_extern_c_block):
+        raise SignatureError(f'{program}:{line}: kernel {name} is not extern "C": a launch finds a kernel by '
+                             f'its name, which C++ linkage mangles (declare it extern "C" __global__)')
