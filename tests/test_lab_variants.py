@@ -7,7 +7,6 @@ it."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,21 +19,13 @@ from epjit.errors import ArgumentError, CompileError
 from epjit.jit import compile_spec
 from epjit.kernels import LowLatencySpec, cuda_sources, jit_config
 
+from .test_lab import _cache, _cubins  # noqa: F401  (the lab's own cache a test, and its cubins)
+
 pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) not installed")
 
 IN_FLIGHT = "constexpr int kInFlight = 8;  // 32 registers of 64 (1024 threads a block)"
 DISPATCH_HEAD = ("ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int num_tokens, "
                  "int num_topk,")
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("EPJIT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("EPJIT_ARCH", raising=False)
-
-
-def _cubins(tmp_path: Path) -> list[Path]:
-    return sorted((tmp_path / "cache").rglob("*.cubin"))
 
 
 def test_the_texts_the_tests_edit_are_in_the_source():
