@@ -290,6 +290,7 @@ def test_put_mode_names():
     (["--modes", "ceiling", "--num-nvl-ranks", "2"], 4, "the copy ceilings are of one NVLink node"),
     (["--warp-roles", "dispatch_phased=1", "--num-nvl-ranks", "2"], 4, "--warp-roles are the intranode"),
     (["--sms", "23", "--num-nvl-ranks", "2"], 4, "two blocks a channel"),
+    (["--modes", "ll-combine-logfmt", "--num-nvl-ranks", "2"], 4, "the LogFMT combine runs only where every peer"),
     (["--put-ceiling", "--num-nvl-ranks", "2", "--put-warps", "33"], 4, "--put-warps in [1, 32]"),
 ])
 def test_internode_arguments_that_cannot_run_are_refused(argv, size, message, launched_ranks, capsys):
@@ -552,8 +553,8 @@ def _fake_deep_ep(calls: list, explicit_destroy: bool = True):
             calls.append(("ll_dispatch", num_max_dispatch_tokens_per_rank, num_experts, use_fp8, return_recv_hook))
             return ("recv_x", "scales"), "count", "ll_handle", "event", lambda: calls.append(("dispatch hook",))
 
-        def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook=False):
-            calls.append(("ll_combine", handle, return_recv_hook))
+        def low_latency_combine(self, x, topk_idx, topk_weights, handle, return_recv_hook=False, use_logfmt=False):
+            calls.append(("ll_combine", handle, return_recv_hook, *((x,) if use_logfmt else ())))
             if getattr(Buffer, "refuse_combine", False):
                 raise RuntimeError("Failed: Assertion error csrc/deep_ep.cpp:1700 'hidden == 7168'")
             return "combined_x", "event", lambda: calls.append(("combine hook",))
@@ -824,6 +825,17 @@ def test_deepep_low_latency_rows_replay_graphs_from_a_clean_buffer(fake_timing, 
     assert times["ll-combine"] is None and times["ll-combine-send"] is None and times["ll-combine-recv"] is None
     assert "DeepEP ll-combine 32 tokens: not timed (rank 0: RuntimeError: Failed: Assertion error" in \
         capsys.readouterr().out
+
+
+def test_deepep_logfmt_combine_row_times_deepeps_logfmt_on_scaled_outputs(fake_timing):
+    calls = fake_timing
+    peer = peers.DeepEPPeer(_Group(2), deep_ep=_fake_deep_ep(calls), torch_group="WORLD")
+    peer.open_low_latency(256, 7168, 256)
+    y = np.ones(4)
+    times = peer.low_latency_us(["ll-combine-logfmt", "ll-hook"], "x", np.zeros((32, 8)), "w", y, 30, 0.5)
+    assert times["ll-combine-logfmt"] is not None and "ll-combine-logfmt-send" not in times
+    logfmt = [c for c in calls if c[0] == "ll_combine" and len(c) == 4]
+    assert logfmt and all((c[3] == 0.5).all() for c in logfmt)  # DeepEP's use_logfmt=True, on y x 0.5
 
 
 def test_an_older_deepep_buffer_is_released_by_dropping_it(fake_timing):

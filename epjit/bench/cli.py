@@ -100,6 +100,9 @@ def topology_problem(num_ranks: int | None, num_nvl_ranks: int | None, modes: li
                 "internode leg's ceiling is --put-ceiling)")
     if warp_roles.strip():
         return "--warp-roles are the intranode kernels' fields: not with --num-nvl-ranks below the ranks"
+    if "ll-combine-logfmt" in modes:
+        return ("ll-combine-logfmt: the LogFMT combine runs only where every peer is an NVLink pointer, and across "
+                "NVLink nodes the low-latency kernels have a put path: not with --num-nvl-ranks below the ranks")
     if any(s % 2 for s in sms or []):
         return f"--sms {sms}: internode runs two blocks a channel, so every SM count must be even"
     return None
@@ -172,9 +175,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="normal mode: dispatch, dispatch-fp8 (given a layout computed before), combine; "
                              "layout-dispatch, layout-dispatch-fp8 (get_dispatch_layout and dispatch in the timed "
                              "call); cached-dispatch, cached-dispatch-fp8 (replaying an earlier dispatch's handle); "
-                             "low latency (CUDA-graph replays): ll-dispatch (FP8), ll-combine, ll-hook (send and "
-                             "receive halves of each); ceiling: warp and bulk (TMA) copies to one peer, to every "
-                             "peer and locally, by SMs (--ceiling-sms); put-ceiling: as --put-ceiling")
+                             "low latency (CUDA-graph replays): ll-dispatch (FP8), ll-combine, ll-combine-logfmt (the "
+                             "LogFMT-10 combine of expert outputs scaled by 0.1, with its error against bf16), "
+                             "ll-hook (send and receive halves of each); ceiling: warp and bulk (TMA) copies to one "
+                             "peer, to every peer and locally, by SMs (--ceiling-sms); put-ceiling: as --put-ceiling")
     parser.add_argument("--ceiling-sms", type=int, nargs="+", default=[4, 8, 12, 16, 24, 32],
                         help="SM counts of the ceiling mode (all SMs are always added)")
     parser.add_argument("--put-ceiling", action="store_true",

@@ -12,7 +12,11 @@ from .peers import DeepEPPeer, nccl_bytes_us
 from .protocol import graph_floor_us, graph_us, hook_halves_us, host_us, routing, start_together
 from .report import PLAIN_STORE_CEILING_GBS, Row, print_row, slowest, with_deepep
 
-LOW_LATENCY_MODES = ("ll-dispatch", "ll-combine", "ll-hook")
+LOW_LATENCY_MODES = ("ll-dispatch", "ll-combine", "ll-combine-logfmt", "ll-hook")
+# ll-combine-logfmt's expert outputs: y x LOGFMT_Y_SCALE, so that most 128-channel groups stay under 1 in magnitude
+# and travel as LogFMT-10 (DeepEP's own benchmark scales them by 0.1 for the same reason); with randn as it is,
+# nearly every group has a value past 1 and travels as bf16.
+LOGFMT_Y_SCALE = 0.1
 
 
 def bench_low_latency(group: Any, dist: Any, args: argparse.Namespace, modes: list[str],
@@ -75,6 +79,20 @@ def _profile_low_latency(buf: Any, group: Any, x: Any, idx: Any, w: Any, y: Any,
                 print(f"  profile ll-{name} {tokens} tokens{' (hook)' if hook else ''}: {prof}", flush=True)
 
 
+def _print_logfmt_error(buf: Any, group: Any, y: Any, idx: Any, w: Any, handle: Any) -> None:
+    """How far the LogFMT combine is from the bf16 one on the same expert outputs, on every rank's tokens: DeepEP's
+    calc_diff (1 - 2 sum(a b) / sum(a^2 + b^2), float64) and the largest difference relative to the bf16 result's
+    largest magnitude; printed by rank 0, the worst rank's."""
+    exact = buf.low_latency_combine(y, idx, w, handle).x.double()
+    cast = buf.low_latency_combine(y, idx, w, handle, use_logfmt=True).x.double()
+    diff = float(1 - 2 * (exact * cast).sum() / max(float((exact * exact + cast * cast).sum()), 1e-30))
+    rel = float((exact - cast).abs().max() / max(float(exact.abs().max()), 1e-30))
+    worst = max(group.allgather_object((diff, rel)))
+    if group.rank == 0:
+        print(f"  LogFMT combine against bf16, {idx.shape[0]} tokens, y x {LOGFMT_Y_SCALE}: calc_diff {worst[0]:.2e}, "
+              f"largest difference {worst[1]:.2e} of the largest value (worst rank)", flush=True)
+
+
 def _time_low_latency(buf: Any, group: Any, args: argparse.Namespace, modes: list[str], x: Any, idx: Any, w: Any,
                       y: Any, handle: Any) -> dict[str, float]:
     """epjit's medians of a low-latency case, keyed by row mode; then its profile, or its host time."""
@@ -85,6 +103,11 @@ def _time_low_latency(buf: Any, group: Any, args: argparse.Namespace, modes: lis
                                         args.repeat)
     if "ll-combine" in modes:
         timed["ll-combine"] = graph_us(lambda: buf.low_latency_combine(y, idx, w, handle), group, args.repeat)
+    if "ll-combine-logfmt" in modes:
+        y_small = y * LOGFMT_Y_SCALE
+        timed["ll-combine-logfmt"] = graph_us(
+            lambda: buf.low_latency_combine(y_small, idx, w, handle, use_logfmt=True), group, args.repeat)
+        _print_logfmt_error(buf, group, y_small, idx, w, handle)
     if "ll-hook" in modes:
         halves = {
             "ll-dispatch": lambda: buf.low_latency_dispatch(x, idx, max_tokens, experts, return_recv_hook=True),
@@ -123,7 +146,7 @@ def _bench_low_latency_case(buf: Any, group: Any, dist: Any, args: argparse.Name
     if not args.no_nccl:
         nccl["dispatch"] = nccl_bytes_us(dist, group, pairs, recv_pairs, msg, args.repeat)
         nccl["combine"] = nccl_bytes_us(dist, group, recv_pairs, pairs, 2 * hidden, args.repeat)
-    deepep = peer.low_latency_us(modes, x, idx, w, y, args.repeat) if peer is not None else {}
+    deepep = peer.low_latency_us(modes, x, idx, w, y, args.repeat, LOGFMT_Y_SCALE) if peer is not None else {}
     all_times = group.allgather_object((timed, nccl, deepep))
     for mode in timed:
         t = max(a[0][mode] for a in all_times)

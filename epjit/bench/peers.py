@@ -258,9 +258,10 @@ class DeepEPPeer:
     # ---------------------------------------------------------------------------------------------- low latency
 
     def low_latency_us(self, modes: list[str], x: Any, topk_idx: Any, topk_weights: Any, y: Any,
-                       repeat: int) -> dict[str, float | None]:
-        """DeepEP's medians for a low-latency case, keyed as epjit's rows (ll-dispatch, ll-combine, and with
-        ll-hook ll-dispatch-send, ll-dispatch-recv, ll-combine-send, ll-combine-recv); empty without a Buffer."""
+                       repeat: int, logfmt_y_scale: float = 0.1) -> dict[str, float | None]:
+        """DeepEP's medians for a low-latency case, keyed as epjit's rows (ll-dispatch, ll-combine, ll-combine-logfmt
+        on y x logfmt_y_scale, and with ll-hook ll-dispatch-send, ll-dispatch-recv, ll-combine-send,
+        ll-combine-recv); empty without a Buffer."""
         buf = self.low_latency
         if buf is None:
             return {}
@@ -273,14 +274,17 @@ class DeepEPPeer:
         handle = self.attempt(f"ll-dispatch {tokens} tokens", lambda: dispatch()[2])
         if handle is None:
             return {}
+        y_small = y * logfmt_y_scale if "ll-combine-logfmt" in modes else y
         calls = {"ll-dispatch": dispatch,
                  "ll-combine": lambda hook=False: buf.low_latency_combine(y, topk_idx, topk_weights, handle,
-                                                                          return_recv_hook=hook)}
+                                                                          return_recv_hook=hook),
+                 "ll-combine-logfmt": lambda hook=False: buf.low_latency_combine(
+                     y_small, topk_idx, topk_weights, handle, use_logfmt=True, return_recv_hook=hook)}
         times: dict[str, float | None] = {}
         for name, call in calls.items():
             if name in modes:
                 times[name] = self.attempt(f"{name} {tokens} tokens", lambda call=call: self._graph_us(call, repeat))
-            if "ll-hook" in modes:
+            if "ll-hook" in modes and name != "ll-combine-logfmt":
                 halves = self.attempt(f"{name} {tokens} tokens, hook halves",
                                       lambda call=call: self._halves_us(call, repeat))
                 times[f"{name}-send"], times[f"{name}-recv"] = halves or (None, None)
