@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 import epjit.lab
-from epjit import lab_variants, reference
+from epjit import reference
 from epjit.bench.variant import Comparison
 from epjit.errors import ArgumentError, CompileError
 from epjit.jit import compile_spec
 from epjit.kernels import LowLatencySpec, cuda_sources, jit_config
+from epjit.lab import variants as lab_variants
 
 from .test_lab import _cache, _cubins  # noqa: F401  (the lab's own cache a test, and its cubins)
 

@@ -34,7 +34,7 @@ LAYERS = [
     ("epjit.buffer",),
     # Your own kernels on the runtime (compile, launch by name; variants of the built-in kernels on a Buffer; later the
     # peer memory of a Buffer).
-    ("epjit.lab", "epjit.lab_variants"),
+    ("epjit.lab",),
     ("epjit.bench", "epjit"),
 ]
 # Beyond the layers: peer memory (IPC, NVSHMEM) does not reach into the JIT.

@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from . import jit, memory
-from .errors import ArgumentError, CompileError, SetupError, with_rank
-from .jit.program import Program, compile_variant
-from .jit.signature import KernelSignature, SignatureError, parse_globals
-from .kernels import LowLatencyPutsSpec, LowLatencySpec, LowLatencyStoresSpec, cuda_sources, jit_config
+from .. import jit, memory
+from ..errors import ArgumentError, CompileError, SetupError, with_rank
+from ..jit.program import Program, compile_variant
+from ..jit.signature import KernelSignature, SignatureError, parse_globals
+from ..kernels import LowLatencyPutsSpec, LowLatencySpec, LowLatencyStoresSpec, cuda_sources, jit_config
 
 # family -> its builds (spec classes over one source): a variant is compiled for the build the Buffer runs.
 FAMILIES: dict[str, tuple[type[jit.KernelSpec], ...]] = {
@@ -229,7 +229,7 @@ def combine_problems(result: Any, want: Any) -> list[str]:
 
 
 def _host(value: Any) -> np.ndarray:
-    from .reference._checks import host_array
+    from ..reference._checks import host_array
 
     return host_array(value)
 

@@ -23,15 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from . import jit, memory
-from .errors import ArgumentError, ArgumentTypeError, CompileError, SetupError, check_int, with_rank
-from .group import Group
-from .jit.module import cupy_stream
-from .jit.program import CompiledProgram, Program, compile_program
-from .jit.signature import KernelSignature, Parameter, SignatureError, parse_kernels
-from .kernels import BarrierSpec, jit_config
-from .lab_variants import Variant, combine_problems, dispatch_problems, make_variant, use_variant
-from .ops.loader import load
+from .. import jit, memory
+from ..errors import ArgumentError, ArgumentTypeError, CompileError, SetupError, check_int, with_rank
+from ..group import Group
+from ..jit.module import cupy_stream
+from ..jit.program import CompiledProgram, Program, compile_program
+from ..jit.signature import KernelSignature, Parameter, SignatureError, parse_kernels
+from ..kernels import BarrierSpec, jit_config
+from ..ops.loader import load
+from .variants import Variant, combine_problems, dispatch_problems, make_variant, use_variant
 
 __all__ = ["Kernel", "Module", "Peers", "Variant", "combine_problems", "compile", "dispatch_problems", "use_variant",
            "variant"]
