@@ -140,15 +140,7 @@ class Module:
             return None
 
     def _init_nvshmem(self) -> None:
-        try:
-            from nvshmem import bindings as nvshmem_bindings
-        except ImportError as e:
-            raise ToolchainError(f"{self.spec.family} calls NVSHMEM but nvshmem4py is missing: "
-                                 f"pip install 'epjit[cuda13]' ({e})") from None
-        status = nvshmem_bindings.cumodule_init(int(self.raw.module.ptr))
-        if status not in (None, 0):
-            raise ToolchainError(f"nvshmemx_cumodule_init failed ({status}) for {self.spec.family}: is NVSHMEM "
-                                 "initialised in this process?")
+        nvshmem_module_init(self.raw, self.spec.family, "is NVSHMEM initialised in this process?")
         self._nvshmem_initialised = True
 
     def launch(self, args: KernelArgs, grid: int | tuple[int, ...], block: int | tuple[int, ...], *,
@@ -220,11 +212,29 @@ class Module:
 
     def close(self) -> None:
         if self._nvshmem_initialised:
-            from nvshmem import bindings as nvshmem_bindings
-
-            # nvshmem.core.module_finalize raises AttributeError in nvshmem4py 0.4.1; the binding works.
-            nvshmem_bindings.cumodule_finalize(int(self.raw.module.ptr))
+            nvshmem_module_finalize(self.raw)
             self._nvshmem_initialised = False
+
+
+def nvshmem_module_init(raw: Any, what: str, hint: str) -> None:
+    """Hand a loaded module (a cupy.RawModule) that calls NVSHMEM to nvshmemx_cumodule_init; ToolchainError naming
+    ``what`` (and ``hint``: what the caller should check) if nvshmem4py is missing or the init fails."""
+    try:
+        from nvshmem import bindings as nvshmem_bindings
+    except ImportError as e:
+        raise ToolchainError(f"{what} calls NVSHMEM but nvshmem4py is missing: pip install 'epjit[cuda13]' "
+                             f"({e})") from None
+    status = nvshmem_bindings.cumodule_init(int(raw.module.ptr))
+    if status not in (None, 0):
+        raise ToolchainError(f"nvshmemx_cumodule_init failed ({status}) for {what}: {hint}")
+
+
+def nvshmem_module_finalize(raw: Any) -> None:
+    """The end of nvshmem_module_init's hand-over (before NVSHMEM's own end)."""
+    from nvshmem import bindings as nvshmem_bindings
+
+    # nvshmem.core.module_finalize raises AttributeError in nvshmem4py 0.4.1; the binding works.
+    nvshmem_bindings.cumodule_finalize(int(raw.module.ptr))
 
 
 def load(spec: KernelSpec, config: JitConfig, device: int | None = None) -> Module:

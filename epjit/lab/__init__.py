@@ -26,7 +26,7 @@ import numpy as np
 from .. import jit, memory
 from ..errors import ArgumentError, ArgumentTypeError, CompileError, SetupError, check_int, with_rank
 from ..group import Group
-from ..jit.module import cupy_stream
+from ..jit.module import cupy_stream, nvshmem_module_finalize, nvshmem_module_init
 from ..jit.program import CompiledProgram, Program, compile_program
 from ..jit.signature import KernelSignature, Parameter, SignatureError, parse_kernels
 from ..kernels import BarrierSpec, jit_config
@@ -193,22 +193,17 @@ class Module:
 
     def _init_nvshmem(self, raw: Any) -> None:
         try:
-            from nvshmem import bindings
-        except ImportError as e:
-            raise SetupError(with_rank(f"{self.source} links NVSHMEM but nvshmem4py is missing ({e})")) from None
-        status = bindings.cumodule_init(int(raw.module.ptr))
-        if status not in (None, 0):
-            raise SetupError(with_rank(f"nvshmemx_cumodule_init failed ({status}) for {self.source}: make a Buffer "
-                                       "with a symmetric heap (num_rdma_bytes) first, which starts NVSHMEM"))
+            nvshmem_module_init(raw, self.source, "make a Buffer with a symmetric heap (num_rdma_bytes) first, "
+                                "which starts NVSHMEM")
+        except jit.ToolchainError as e:
+            raise SetupError(with_rank(str(e))) from None
         memory.before_nvshmem_finalize(self.close)
 
     def close(self) -> None:
         """Forget the loaded kernels (NVSHMEM modules are finalised, which must happen before NVSHMEM's end)."""
         if self.compiled.program.uses_nvshmem and self._loaded:
-            from nvshmem import bindings
-
             for raw, _ in self._loaded.values():
-                bindings.cumodule_finalize(int(raw.module.ptr))
+                nvshmem_module_finalize(raw)
         self._loaded.clear()
 
 
