@@ -80,14 +80,15 @@ def _profile_low_latency(buf: Any, group: Any, x: Any, idx: Any, w: Any, y: Any,
 
 
 def _print_logfmt_error(buf: Any, group: Any, y: Any, idx: Any, w: Any, handle: Any) -> None:
-    """How far the LogFMT combine is from the bf16 one on the same expert outputs, on every rank's tokens: DeepEP's
-    calc_diff (1 - 2 sum(a b) / sum(a^2 + b^2), float64) and the largest difference relative to the bf16 result's
-    largest magnitude; printed by rank 0, the worst rank's."""
-    exact = buf.low_latency_combine(y, idx, w, handle).x.double()
-    cast = buf.low_latency_combine(y, idx, w, handle, use_logfmt=True).x.double()
-    diff = float(1 - 2 * (exact * cast).sum() / max(float((exact * exact + cast * cast).sum()), 1e-30))
-    rel = float((exact - cast).abs().max() / max(float(exact.abs().max()), 1e-30))
-    worst = max(group.allgather_object((diff, rel)))
+    """How far the LogFMT combine is from the bf16 one on the same expert outputs, on every rank's tokens:
+    epjit.reference.calc_diff (DeepEP's measure) and the largest difference relative to the bf16 result's largest
+    magnitude; printed by rank 0, the worst rank's."""
+    from ..reference import calc_diff
+
+    exact = buf.low_latency_combine(y, idx, w, handle).x.float().cpu().numpy()
+    cast = buf.low_latency_combine(y, idx, w, handle, use_logfmt=True).x.float().cpu().numpy()
+    rel = float(abs(exact - cast).max(initial=0.0) / max(float(abs(exact).max(initial=0.0)), 1e-30))
+    worst = max(group.allgather_object((calc_diff(exact, cast), rel)))
     if group.rank == 0:
         print(f"  LogFMT combine against bf16, {idx.shape[0]} tokens, y x {LOGFMT_Y_SCALE}: calc_diff {worst[0]:.2e}, "
               f"largest difference {worst[1]:.2e} of the largest value (worst rank)", flush=True)
