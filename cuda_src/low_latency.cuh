@@ -45,14 +45,15 @@ constexpr int kLowLatencyHeaderInt4 = kLowLatencyHeaderBytes / 16;
 static_assert(kLowLatencyHeaderBytes == 16 + 8 * kLowLatencyMaxTopk, "one int2 entry per top-k slot");
 
 // The flagged path's limits: a source sends flagged messages when it has at most kFlaggedTokens tokens and at
-// most kFlaggedMessages messages leave it (tokens x min(R - 1, K)): on 2 ranks 64 tokens, at top-8 on 4 ranks 21,
-// on 8 ranks 9. Beyond, the doubled bytes cost more than the signal path saves (64 messages of a 7168-wide FP8
-// token: 0.9 MB flagged, about 2.8 us of NVLink, against the ~5 us chain of fences and count hand-offs the signal
-// path puts before a receiver may read). The region's stride is kFlaggedTokens whatever R, a compile-time
-// constant: a stride from R (a smaller region on 4 and 8 ranks) cost every dispatch 1-2.5 us on 2 x H100, large
-// calls included, for no reason its instruction counts showed.
-constexpr int kFlaggedMessages = 64;
-constexpr int kFlaggedTokens = kFlaggedMessages;  // 2 ranks: one message a token
+// most kFlaggedMessages messages leave it (tokens x min(R - 1, K)): on 2 ranks 64 tokens, at top-8 on 4 ranks 53,
+// on 8 ranks 22. Beyond, the doubled bytes cost more than the signal path saves: on 4 x H200 (FP8, 7168 wide) a
+// 48-token dispatch (144 messages) took 27.3 us flagged against 29.3 on the signal path, a 64-token one (192) 30.1
+// against 30.4, while at 24 and 32 tokens the flagged path saved 4-6 us (the ~5 us chain of fences and count
+// hand-offs the signal path puts before a receiver may read). The region's stride is kFlaggedTokens whatever R, a
+// compile-time constant: a stride from R (a smaller region on 4 and 8 ranks) cost every dispatch 1-2.5 us on
+// 2 x H100, large calls included, for no reason its instruction counts showed.
+constexpr int kFlaggedMessages = 160;
+constexpr int kFlaggedTokens = 64;  // a source's messages to one rank, at most: one a token
 constexpr int kFlaggedMaxRanks = 32;  // a token's destination ranks as one 32-bit mask
 // A format word's low bits: the messages sent (flagged path), then what is flagged.
 constexpr uint32_t kFormatMessagesMask = 0xffff;

@@ -43,7 +43,7 @@ UTILS_TAIL = "\nfrom deepep_tests import bench_kineto  # epjit: kernels by epjit
 # DeepEP's kernel names as its tests look them up, and epjit's kernels of the same step.
 KERNELS = {
     "dispatch": ("intranode_dispatch", "internode_dispatch", "ll_dispatch"),
-    "combine": ("intranode_combine", "internode_combine", "ll_combine"),
+    "combine": ("intranode_combine", "internode_combine", "ll_combine", "ll_combine_logfmt"),
     "notify": ("intranode_notify", "internode_notify"),
 }
 

@@ -13,8 +13,8 @@ LOW_LATENCY_MAX_TOPK = 16  # kLowLatencyMaxTopk: combine slots per token
 LOW_LATENCY_HEADER_BYTES = 16 + 8 * LOW_LATENCY_MAX_TOPK  # kLowLatencyHeaderBytes: int4 + an int2 entry a slot
 SYNC_BYTES = 32  # sizeof(LowLatencySync); int32 expert_sent[num_experts] follow it
 # The flagged path of small dispatches (cuda_src/low_latency.cuh): its region's size and the format word's bit.
-FLAGGED_MESSAGES = 64  # kFlaggedMessages: messages leaving a flagged source, at most
-FLAGGED_TOKENS = FLAGGED_MESSAGES  # kFlaggedTokens: a flagged source's tokens, and its region's stride
+FLAGGED_MESSAGES = 160  # kFlaggedMessages: messages leaving a flagged source, at most
+FLAGGED_TOKENS = 64  # kFlaggedTokens: a flagged source's tokens, and its region's stride
 FORMAT_FLAGGED_DISPATCH = 1 << 16
 MAX_DYNAMIC_SHARED_BYTES = 227 * 1024  # sm_90's opt-in limit per block
 # EPJIT_PROFILE: enum TimelinePoint of cuda_src/low_latency.cu, in order (stamps per block, timeline.cuh)

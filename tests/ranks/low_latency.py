@@ -477,10 +477,12 @@ def main() -> int:
         (small, [17] * R, 8 if R >= 8 else R, 0.1, True, False, False, False, False, True),
         # Decode sizes, where every rank sends flagged messages (low_latency.cuh: the flagged path): one token,
         # and four in bf16 with holes; then up to the flagged path's 64 tokens a rank, flagged on 2 ranks (one
-        # message a token) and past its 64 messages on 4 and 8 (the signal path).
+        # message a token) and past its 160 messages on 4 and 8 (the signal path); then sources of both paths in
+        # one call (on 4 ranks at top-8, 56 and 54 tokens are past 160 messages, 52 and 50 within).
         (big, [1] * R, 8, 0.0, True, False, False, False, False, False),
         (big, [4] * R, 8, 0.2, False, False, False, True, False, False),
         (big, [64 - 3 * r for r in range(R)], 8, 0.1, True, False, False, False, False, False),
+        (big, [56 - 2 * r for r in range(R)], 8, 0.1, False, False, False, True, False, False),
     ]
     if args.quick:
         cases = cases[:2] + cases[7:8] + cases[10:]
