@@ -59,4 +59,52 @@ __device__ __forceinline__ float block128_amax(float lane_amax) {
     return lane_amax;
 }
 
+// acc[0..7] += the 8 e4m3 of q (channel order, as quantize_x8 packs them) times `scale`: each product a float32
+// multiply (__fmul_rn, never fused into the add), then the add, as the reference's fp8_to_float and its sum do.
+__device__ __forceinline__ void add_fp8x8(float* acc, const uint2& q, float scale) {
+    const uint32_t w[2] = {q.x, q.y};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t halves = ptx::cvt_rn_f16x2_e4m3x2(static_cast<uint16_t>(w[i / 2] >> (16 * (i % 2))));
+        acc[2 * i] += __fmul_rn(ptx::cvt_f32_f16(static_cast<uint16_t>(halves & 0xffffu)), scale);
+        acc[2 * i + 1] += __fmul_rn(ptx::cvt_f32_f16(static_cast<uint16_t>(halves >> 16)), scale);
+    }
+}
+
+// The scale of the 128-channel block of this lane's 8 channels `values` (lanes 16-aligned a block, as
+// block128_amax), without rounding: every lane of the warp must call it (lanes without data pass zeros).
+__device__ __forceinline__ float block128_scale(const float* values) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) amax = fmaxf(amax, fabsf(values[c]));
+    return fp8_scale(block128_amax(amax), false);
+}
+
+// One bf16 row of row_int4 16-byte words (a multiple of 16: hidden % 128 == 0) quantised by one warp into `dst`:
+// the hidden e4m3 bytes, then hidden / 128 float32 scales. kInFlight loads a lane are issued before any is
+// converted (a row of 7168 channels is 28 words a lane: one round trip each would leave the warp waiting).
+template <int kInFlight>
+__device__ __forceinline__ void warp_quantize_row(char* dst, const int4* src, int row_int4, int lane) {
+    float* scales = reinterpret_cast<float*>(dst + static_cast<int64_t>(row_int4) * 8);
+    for (int i0 = 0; i0 < row_int4; i0 += 32 * kInFlight) {  // the same bounds on every lane
+        int4 v[kInFlight];
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j) {
+            const int i = i0 + 32 * j + lane;
+            v[j] = i < row_int4 ? ptx::ld_global_nc_L1_no_allocate_v4(src + i) : make_int4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j) {
+            const int i = i0 + 32 * j + lane;
+            float f[8];
+            unpack_bf16x8(v[j], f);
+            const float scale = block128_scale(f);
+            if (i < row_int4) {  // (a whole block of 16 lanes or none: row_int4 % 16 == 0)
+                *reinterpret_cast<uint2*>(dst + static_cast<int64_t>(i) * 8) = quantize_x8(f, __fdiv_rn(1.0f, scale));
+                if (i % 16 == 0) scales[i / 16] = scale;
+            }
+        }
+    }
+}
+
 }  // namespace epjit

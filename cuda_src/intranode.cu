@@ -31,6 +31,7 @@
 #include "barrier.cuh"
 #include "bf16.cuh"
 #include "copy.cuh"
+#include "fp8.cuh"
 #include "intranode.cuh"
 #include "placement.cuh"
 #include "status.cuh"
@@ -584,14 +585,100 @@ __device__ __noinline__ void combine_channel_barrier(const PeersTable* peers, in
                                         channel_barrier_offset(channel), channel);
 }
 
-template <int kNumRanks, int kNumThreads, int kDispatchSendWarps, int kDispatchDrainWarps, int kCombineSendWarps,
-          bool kDispatchPhased>
-__global__ void __launch_bounds__(kNumThreads, 1)
-intranode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y, const float* y_topk_weights,
-                  const int4* bias0, const int4* bias1, const int* rank_prefix_matrix, const int* recv_channel_offset,
-                  const int* send_head, const int* dispatch_status, int4* out_x, float* out_topk_weights,
-                  int num_tokens, int hidden, int num_topk, int num_channels, int num_slots, int num_max_send_tokens,
-                  uint64_t* timeline) {
+// The reader's sum of token t's rows in bf16 (combine<kFp8 = false>), bias first, then the ranks in order.
+template <int kNumRanks>
+__device__ __forceinline__ void reduce_token_bf16(const int4* const* rows, const int4* bias0, const int4* bias1,
+                                                  int4* out, int t, int row_int4, int lane) {
+    // kUnroll int4 columns per lane at once, every rank's row loaded before any add: kUnroll x R loads in
+    // flight per lane (one column at a time left each lane waiting a full memory latency per load pair).
+    constexpr int kUnroll = kNumRanks >= 8 ? 1 : 8 / kNumRanks;
+    for (int i0 = lane; i0 < row_int4; i0 += 32 * kUnroll) {
+        int4 v[kUnroll][kNumRanks];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = i0 + 32 * u;
+#pragma unroll
+            for (int r = 0; r < kNumRanks; ++r)
+                if (i < row_int4 && rows[r] != nullptr) v[u][r] = ptx::ld_volatile_global_v4(rows[r] + i);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = i0 + 32 * u;
+            if (i >= row_int4) break;
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            if (bias0 != nullptr) add_bf16x8(acc, bias0[static_cast<int64_t>(t) * row_int4 + i]);
+            if (bias1 != nullptr) add_bf16x8(acc, bias1[static_cast<int64_t>(t) * row_int4 + i]);
+#pragma unroll
+            for (int r = 0; r < kNumRanks; ++r)
+                if (rows[r] != nullptr) add_bf16x8(acc, v[u][r]);
+            ptx::st_global_L1_no_allocate_v4(out + static_cast<int64_t>(t) * row_int4 + i, pack_bf16x8(acc));
+        }
+    }
+}
+
+// The reader's sum of token t's rows in FP8 (combine<kFp8 = true>): a ring slot holds the peer's row as hidden
+// e4m3 bytes, then hidden / 128 float32 scales (warp_quantize_row); my own row, read from y, is quantised here
+// the same way, so every row counts as its round trip whichever rank it comes from. Each lane sums its 8 channels
+// in float32, bias first, then the ranks in order (add_fp8x8), as the bf16 sum does.
+template <int kNumRanks>
+__device__ __forceinline__ void reduce_token_fp8(const int4* const* rows, int me, const int4* bias0,
+                                                 const int4* bias1, int4* out, int t, int row_int4, int lane) {
+    constexpr int kUnroll = kNumRanks >= 8 ? 1 : 8 / kNumRanks;
+    const int64_t row_bytes = static_cast<int64_t>(row_int4) * 8;
+    for (int i0 = 0; i0 < row_int4; i0 += 32 * kUnroll) {  // the same bounds on every lane (block128_scale)
+        uint2 q[kUnroll][kNumRanks];
+        float scale[kUnroll][kNumRanks];
+        int4 own[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = i0 + 32 * u + lane;
+            own[u] = make_int4(0, 0, 0, 0);
+#pragma unroll
+            for (int r = 0; r < kNumRanks; ++r) {
+                if (i >= row_int4 || rows[r] == nullptr) continue;
+                if (r == me) {
+                    own[u] = ptx::ld_volatile_global_v4(rows[r] + i);
+                    continue;
+                }
+                const char* slot = reinterpret_cast<const char*>(rows[r]);
+                q[u][r] = ptx::ld_volatile_global_v2(reinterpret_cast<const uint2*>(slot) + i);
+                scale[u][r] = ld_volatile_f32(reinterpret_cast<const float*>(slot + row_bytes) + i / 16);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = i0 + 32 * u + lane;
+            const bool valid = i < row_int4;  // a whole block of 16 lanes or none (row_int4 % 16 == 0)
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            if (valid && bias0 != nullptr) add_bf16x8(acc, bias0[static_cast<int64_t>(t) * row_int4 + i]);
+            if (valid && bias1 != nullptr) add_bf16x8(acc, bias1[static_cast<int64_t>(t) * row_int4 + i]);
+#pragma unroll
+            for (int r = 0; r < kNumRanks; ++r) {
+                if (rows[r] == nullptr) continue;  // (the same on every lane)
+                if (r == me) {
+                    float f[8];
+                    unpack_bf16x8(own[u], f);
+                    const float s = block128_scale(f);  // every lane
+                    if (valid) add_fp8x8(acc, quantize_x8(f, __fdiv_rn(1.0f, s)), s);
+                } else if (valid) {
+                    add_fp8x8(acc, q[u][r], scale[u][r]);
+                }
+            }
+            if (valid) ptx::st_global_L1_no_allocate_v4(out + static_cast<int64_t>(t) * row_int4 + i, pack_bf16x8(acc));
+        }
+    }
+}
+
+// Both combines: bf16 (kFp8 false: intranode_combine, rows travel as they are) and FP8 (intranode_combine_fp8,
+// rows travel quantised, scales in the slot after them: hidden + hidden / 32 bytes of the bf16 row's 2 * hidden).
+template <int kNumRanks, int kNumThreads, int kCombineSendWarps, bool kFp8>
+__device__ __forceinline__ void combine(const PeersTable* peers, ChannelClaims* claims, const int4* y,
+                                        const float* y_topk_weights, const int4* bias0, const int4* bias1,
+                                        const int* rank_prefix_matrix, const int* recv_channel_offset,
+                                        const int* send_head, const int* dispatch_status, int4* out_x,
+                                        float* out_topk_weights, int num_tokens, int hidden, int num_topk,
+                                        int num_channels, int num_slots, int num_max_send_tokens,
+                                        uint64_t* timeline) {
     constexpr int kNumWarps = kNumThreads / 32;
     // The handle's dispatch was refused (notify's status, the same on every rank): its receipts were never
     // written, so every block of every rank returns, before claiming a channel (the claims stay as they were).
@@ -645,8 +732,13 @@ intranode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y,
             for (int chunk = 0; chunk < chunk_limit && row < last; ++chunk, ++row, ++tail) {
                 if (chunk % Roles::kSendPerPeer != warp_in_rank) continue;
                 const int slot = tail % num_slots;
-                // Word-by-word remainder: the half batch spills this kernel's registers (80 at 768 threads).
-                warp_copy<false>(dst.x_slot(q, slot), y + static_cast<int64_t>(row) * row_int4, row_int4, lane);
+                if constexpr (kFp8) {  // 4 words a lane in flight: more spill (the kernel is at 80 registers)
+                    warp_quantize_row<4>(reinterpret_cast<char*>(dst.x_slot(q, slot)),
+                                         y + static_cast<int64_t>(row) * row_int4, row_int4, lane);
+                } else {
+                    // Word-by-word remainder: the half batch spills this kernel's registers (80 at 768 threads).
+                    warp_copy<false>(dst.x_slot(q, slot), y + static_cast<int64_t>(row) * row_int4, row_int4, lane);
+                }
                 if (y_topk_weights != nullptr && lane < num_topk)
                     dst.topk_weights_slot(q, slot)[lane] = y_topk_weights[static_cast<int64_t>(row) * num_topk + lane];
             }
@@ -709,31 +801,10 @@ intranode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y,
                             : r == me ? y + static_cast<int64_t>(my_first + e) * row_int4
                                       : mine.x_slot(mine.queue(channel, r), e % num_slots);
         }
-        // kUnroll int4 columns per lane at once, every rank's row loaded before any add: kUnroll x R loads in
-        // flight per lane (one column at a time left each lane waiting a full memory latency per load pair).
-        constexpr int kUnroll = kNumRanks >= 8 ? 1 : 8 / kNumRanks;
-        for (int i0 = lane; i0 < row_int4; i0 += 32 * kUnroll) {
-            int4 v[kUnroll][kNumRanks];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int i = i0 + 32 * u;
-#pragma unroll
-                for (int r = 0; r < kNumRanks; ++r)
-                    if (i < row_int4 && rows[r] != nullptr) v[u][r] = ptx::ld_volatile_global_v4(rows[r] + i);
-            }
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-                const int i = i0 + 32 * u;
-                if (i >= row_int4) break;
-                float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                if (bias0 != nullptr) add_bf16x8(acc, bias0[static_cast<int64_t>(t) * row_int4 + i]);
-                if (bias1 != nullptr) add_bf16x8(acc, bias1[static_cast<int64_t>(t) * row_int4 + i]);
-#pragma unroll
-                for (int r = 0; r < kNumRanks; ++r)
-                    if (rows[r] != nullptr) add_bf16x8(acc, v[u][r]);
-                ptx::st_global_L1_no_allocate_v4(out_x + static_cast<int64_t>(t) * row_int4 + i, pack_bf16x8(acc));
-            }
-        }
+        if constexpr (kFp8)
+            reduce_token_fp8<kNumRanks>(rows, me, bias0, bias1, out_x, t, row_int4, lane);
+        else
+            reduce_token_bf16<kNumRanks>(rows, bias0, bias1, out_x, t, row_int4, lane);
         if (out_topk_weights != nullptr) {  // the weights' places found again: held through the rows, they spilled
             float w = 0.0f;
 #pragma unroll
@@ -756,6 +827,35 @@ intranode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y,
         retired[reader] = 1;
         timeline_mark_latest(timeline, kNormalAtReceived);
     }
+}
+
+template <int kNumRanks, int kNumThreads, int kDispatchSendWarps, int kDispatchDrainWarps, int kCombineSendWarps,
+          bool kDispatchPhased>
+__global__ void __launch_bounds__(kNumThreads, 1)
+intranode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y, const float* y_topk_weights,
+                  const int4* bias0, const int4* bias1, const int* rank_prefix_matrix, const int* recv_channel_offset,
+                  const int* send_head, const int* dispatch_status, int4* out_x, float* out_topk_weights,
+                  int num_tokens, int hidden, int num_topk, int num_channels, int num_slots, int num_max_send_tokens,
+                  uint64_t* timeline) {
+    combine<kNumRanks, kNumThreads, kCombineSendWarps, false>(
+        peers, claims, y, y_topk_weights, bias0, bias1, rank_prefix_matrix, recv_channel_offset, send_head,
+        dispatch_status, out_x, out_topk_weights, num_tokens, hidden, num_topk, num_channels, num_slots,
+        num_max_send_tokens, timeline);
+}
+
+// The FP8 combine (Buffer.combine(..., use_fp8=True)): a build of its own (IntranodeCombineFp8Spec), launched only
+// with hidden % 128 == 0, on the rings, receipts and roles of the bf16 combine.
+template <int kNumRanks, int kNumThreads, int kCombineSendWarps>
+__global__ void __launch_bounds__(kNumThreads, 1)
+intranode_combine_fp8(const PeersTable* peers, ChannelClaims* claims, const int4* y, const float* y_topk_weights,
+                      const int4* bias0, const int4* bias1, const int* rank_prefix_matrix,
+                      const int* recv_channel_offset, const int* send_head, const int* dispatch_status, int4* out_x,
+                      float* out_topk_weights, int num_tokens, int hidden, int num_topk, int num_channels,
+                      int num_slots, int num_max_send_tokens, uint64_t* timeline) {
+    combine<kNumRanks, kNumThreads, kCombineSendWarps, true>(
+        peers, claims, y, y_topk_weights, bias0, bias1, rank_prefix_matrix, recv_channel_offset, send_head,
+        dispatch_status, out_x, out_topk_weights, num_tokens, hidden, num_topk, num_channels, num_slots,
+        num_max_send_tokens, timeline);
 }
 
 }  // namespace epjit

@@ -10,7 +10,9 @@
 //   notify    counts        int32 [R src][R dst]     row `src` written by rank src: tokens it sends to each rank
 //             meta          int32 [R src][8]         {hidden, num_experts, num_topk, flags, recv_capacity, 0...}
 //                                                     as each rank called (the first kMetaCompared must agree)
-//   rings     x             [C][R src][T][hidden*2 bytes]   one row a slot (bf16 size; FP8 rows use half)
+//   rings     x             [C][R src][T][hidden*2 bytes]   one row a slot (bf16 size; FP8 dispatch rows use
+//                                                            half; an FP8 combine row is hidden e4m3 bytes, then
+//                                                            its hidden/128 float scales)
 //             src_idx       int32 [C][R src][T]
 //             topk_idx      int32 [C][R src][T][K]          local expert ids, -1 elsewhere
 //             topk_weights  float [C][R src][T][K]

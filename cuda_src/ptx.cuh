@@ -82,6 +82,12 @@ __device__ __forceinline__ int4 ld_volatile_global_v4(const int4* p) {
                  : "l"(p));
     return v;
 }
+// 8 bytes of a ring slot a peer wrote (the FP8 combine's rows: 8 e4m3 channels a lane).
+__device__ __forceinline__ uint2 ld_volatile_global_v2(const uint2* p) {
+    uint2 v;
+    asm volatile("ld.volatile.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
 __device__ __forceinline__ void st_global_L1_no_allocate_v4(int4* p, const int4& v) {
     asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};"
                  : : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
@@ -191,6 +197,20 @@ __device__ __forceinline__ uint16_t cvt_rn_satfinite_e4m3x2_f32(float hi, float 
     uint16_t v;
     asm volatile("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(v) : "f"(hi), "f"(lo));
     return v;
+}
+
+// Two e4m3 bytes to two halves, exactly (every e4m3 value is a half): the upper byte lands in the upper half.
+// sm_89 and later.
+__device__ __forceinline__ uint32_t cvt_rn_f16x2_e4m3x2(uint16_t v) {
+    uint32_t h;
+    asm volatile("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(v));
+    return h;
+}
+// A half (its bits) to a float, exactly.
+__device__ __forceinline__ float cvt_f32_f16(uint16_t v) {
+    float f;
+    asm volatile("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
 }
 
 /// Approximate math (LogFMT, low_latency.cu): the hardware's fast base-2 logarithm and exponential, as DeepEP's

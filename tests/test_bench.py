@@ -652,9 +652,11 @@ def test_deepep_is_not_timed_across_nvlink_nodes(launched_ranks, capsys):
 def test_new_modes_time_their_operation():
     """layout- and cached- dispatches have their operation's bytes, NCCL peer and default config."""
     assert [bench.base_mode(m) for m in bench.NORMAL_MODES] == [
-        "dispatch", "dispatch-fp8", "combine", "dispatch", "dispatch-fp8", "dispatch", "dispatch-fp8"]
+        "dispatch", "dispatch-fp8", "combine", "dispatch", "dispatch-fp8", "dispatch", "dispatch-fp8", "combine"]
     for mode in ("layout-dispatch", "cached-dispatch-fp8"):
         assert bench.case_config(mode, 2, 24, 0, 0) == bench.case_config("dispatch", 2, 24, 0, 0), mode
+    assert bench.case_config("combine-fp8", 4, 24, 0, 0) == bench.case_config("combine", 4, 24, 0, 0)
+    assert "inside one NVLink node only" in bench.topology_problem(4, 2, ["combine", "combine-fp8"])
     assert bench.case_config("combine", 2, 24, 0, 0) != bench.case_config("cached-dispatch", 2, 24, 0, 0)
 
 

@@ -134,6 +134,8 @@ DEEPEP_SIGNATURES = {
     (EventOverlap, "register_hook_after_wait"): [("hook_after_wait", REQUIRED)],
     (EventOverlap, "__call__"): [("release_handle", False)],
 }
+# epjit's extensions beyond DeepEP: keyword-only, after DeepEP's parameters (docs/deep_ep.md).
+EXTENSIONS = {(Buffer, "combine"): [("use_fp8", False)]}
 STATIC = {"is_sm90_compiled", "set_num_sms", "capture", "get_low_latency_rdma_size_hint", "get_dispatch_config",
           "get_combine_config"}
 
@@ -146,8 +148,11 @@ def test_signatures_are_deepeps(cls, name):
         params = params[1:]
     else:
         assert isinstance(inspect.getattr_static(cls, name), staticmethod)
+    extensions = [p for p in params if p.kind == p.KEYWORD_ONLY]
+    params = params[:len(params) - len(extensions)]
     assert [(p.name, p.default) for p in params] == DEEPEP_SIGNATURES[(cls, name)]
     assert all(p.kind == p.POSITIONAL_OR_KEYWORD for p in params)  # DeepEP's callers pass them either way
+    assert [(p.name, p.default) for p in extensions] == EXTENSIONS.get((cls, name), [])
 
 
 # ---------------------------------------------------------------------------------------------------- Config
@@ -471,8 +476,13 @@ def test_combine_maps_onto_epjits_combine(made):
     assert kw["config"] == EpjitConfig(20, 6, 256, 6, 256) and kw["async_finish"] is True
     assert (x, weights) == ("combined_x", "combined_weights") and isinstance(event.event, EventHandle)
     assert b.combine(y, handle)[1] is None
+    assert inner.calls[-1][2]["use_fp8"] is False
     with pytest.raises(ArgumentTypeError, match="config must be a deep_ep Config"):
         b.combine(y, handle, config={"num_sms": 20})
+    # epjit's extension beyond DeepEP: the FP8 normal combine, by keyword, on both names of the method.
+    for combine in (b.combine, b.internode_combine):
+        combine(y, handle, use_fp8=True)
+        assert inner.calls[-1][2]["use_fp8"] is True
 
 
 def test_calls_without_a_config_follow_set_num_sms(made):

@@ -32,6 +32,7 @@ def test_internode_against_reference(n, nvl_ranks, shared):
     assert_normal_results(results, n)
     for r in results:
         assert r["kernels"].startswith(f"internode.num_nodes={n // nvl_ranks},num_nvl_ranks={nvl_ranks}"), r
+        assert "inside one NVLink node only" in r["refused"]["combine_fp8"], r["refused"]
     print("\n".join(str(r) for r in results))
 
 

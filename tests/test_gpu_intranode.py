@@ -22,6 +22,11 @@ def test_intranode_against_reference(n, shared):
     assert code == 0, output[-8000:]
     assert len(results) == n, output[-4000:]
     assert_normal_results(results, n)
+    for r in results:  # every case also ran the FP8 combine, bit for bit the reference's
+        assert r["fp8_combine"]["cases"] > 0, r
+        assert "needs hidden % 128 == 0" in r["refused"]["combine_fp8"], r["refused"]
+        print(f"rank {r['rank']}: FP8 combine of {r['fp8_combine']['cases']} cases, largest calc_diff against the "
+              f"bf16 combine {r['fp8_combine']['max_calc_diff']:.2e}")
     print("\n".join(str(r) for r in results))
 
 

@@ -100,6 +100,9 @@ def topology_problem(num_ranks: int | None, num_nvl_ranks: int | None, modes: li
                 "internode leg's ceiling is --put-ceiling)")
     if warp_roles.strip():
         return "--warp-roles are the intranode kernels' fields: not with --num-nvl-ranks below the ranks"
+    if "combine-fp8" in modes:
+        return ("combine-fp8: the FP8 normal combine is inside one NVLink node only: not with --num-nvl-ranks below "
+                "the ranks")
     if "ll-combine-logfmt" in modes:
         return ("ll-combine-logfmt: the LogFMT combine runs only where every peer is an NVLink pointer, and across "
                 "NVLink nodes the low-latency kernels have a put path: not with --num-nvl-ranks below the ranks")
@@ -175,6 +178,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="normal mode: dispatch, dispatch-fp8 (given a layout computed before), combine; "
                              "layout-dispatch, layout-dispatch-fp8 (get_dispatch_layout and dispatch in the timed "
                              "call); cached-dispatch, cached-dispatch-fp8 (replaying an earlier dispatch's handle); "
+                             "combine-fp8 (combine with use_fp8=True, with its error against bf16); "
                              "low latency (CUDA-graph replays): ll-dispatch (FP8), ll-combine, ll-combine-logfmt (the "
                              "LogFMT-10 combine of expert outputs scaled by 0.1, with its error against bf16), "
                              "ll-hook (send and receive halves of each); ceiling: warp and bulk (TMA) copies to one "

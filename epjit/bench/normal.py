@@ -14,15 +14,16 @@ from .report import PLAIN_STORE_CEILING_GBS, Row, print_row, slowest, with_deepe
 
 # Normal-mode modes: the operation (dispatch, dispatch-fp8, combine), or a dispatch made another way: "layout-": with
 # get_dispatch_layout inside the timed call (as a user calls it on a fresh routing), "cached-": replaying the handle
-# of an earlier dispatch.
+# of an earlier dispatch; combine-fp8: combine(..., use_fp8=True) of the same rows as combine (its bytes, NCCL peer
+# and config are the bf16 combine's: what it replaces).
 NORMAL_MODES = ("dispatch", "dispatch-fp8", "combine", "layout-dispatch", "layout-dispatch-fp8", "cached-dispatch",
-                "cached-dispatch-fp8")
+                "cached-dispatch-fp8", "combine-fp8")
 
 
 def base_mode(mode: str) -> str:
     """The operation a normal-mode mode times (``cached-dispatch-fp8`` -> ``dispatch-fp8``): its bytes, inputs and
-    NCCL peer are the operation's."""
-    return mode.removeprefix("layout-").removeprefix("cached-")
+    NCCL peer are the operation's; ``combine-fp8``'s are the bf16 combine's."""
+    return "combine" if mode == "combine-fp8" else mode.removeprefix("layout-").removeprefix("cached-")
 
 
 def rdma_message_bytes(mode: str, hidden: int, topk: int) -> int:
@@ -82,15 +83,16 @@ def case_config(mode: str, num_ranks: int, sms: int, chunk_send: int, chunk_recv
     ``roles``: Config's warp-role fields), with each of sms, chunk_send, chunk_recv (and across NVLink nodes,
     ``num_nvl_ranks`` below ``num_ranks``, rdma_chunk_send and rdma_chunk_recv) in its place where given (0: the
     default's)."""
+    combine = base_mode(mode) == "combine"
     if num_nvl_ranks is not None and num_nvl_ranks < num_ranks:
-        getter = get_combine_config if mode == "combine" else get_dispatch_config
+        getter = get_combine_config if combine else get_dispatch_config
         default = getter(num_ranks, num_nvl_ranks=num_nvl_ranks)
         return Config(num_sms=sms or default.num_sms, nvl_chunk_send=chunk_send or default.nvl_chunk_send,
                       nvl_chunk_recv=chunk_recv or default.nvl_chunk_recv,
                       rdma_chunk_send=rdma_chunk_send or default.rdma_chunk_send,
                       rdma_chunk_recv=rdma_chunk_recv or default.rdma_chunk_recv)
     spec = Config(**(roles or {})).spec(num_ranks)
-    default = get_combine_config(num_ranks, spec) if mode == "combine" else get_dispatch_config(num_ranks, spec)
+    default = get_combine_config(num_ranks, spec) if combine else get_dispatch_config(num_ranks, spec)
     return Config(sms or default.num_sms, chunk_send or default.nvl_chunk_send, chunk_recv or default.nvl_chunk_recv,
                   **(roles or {}))
 
@@ -212,12 +214,29 @@ def _epjit_call(buf: Any, mode: str, x: Any, idx: Any, w: Any, layout: Any, d: A
     """The call a normal-mode row times: ``d`` is an earlier dispatch of the same inputs (its rows and handle)."""
     if mode == "combine":
         return lambda: buf.combine(d.x, d.handle, config=cfg)
+    if mode == "combine-fp8":
+        return lambda: buf.combine(d.x, d.handle, config=cfg, use_fp8=True)
     if mode.startswith("cached-"):  # the handle's routing replayed
         return lambda: buf.dispatch(x, handle=d.handle, config=cfg)
     if mode.startswith("layout-"):  # the call as a user makes it with a fresh routing
         return lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, layout=buf.get_dispatch_layout(idx, num_experts),
                                     config=cfg)
     return lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, layout=layout, config=cfg)
+
+
+def _print_fp8_combine_error(buf: Any, group: Any, d: Any, cfg: Any) -> None:
+    """How far the FP8 combine is from the bf16 one on the same rows, on every rank's tokens: calc_diff (DeepEP's
+    measure, epjit.reference.calc_diff) and the largest difference relative to the bf16 result's largest magnitude;
+    printed by rank 0, the worst rank's."""
+    from ..reference import calc_diff
+
+    exact = buf.combine(d.x, d.handle, config=cfg).x.float().cpu().numpy()
+    cast = buf.combine(d.x, d.handle, config=cfg, use_fp8=True).x.float().cpu().numpy()
+    rel = float(abs(exact - cast).max(initial=0.0) / max(float(abs(exact).max(initial=0.0)), 1e-30))
+    worst = max(group.allgather_object((calc_diff(exact, cast), rel)))
+    if group.rank == 0:
+        print(f"  FP8 combine against bf16, {exact.shape[0]} tokens: calc_diff {worst[0]:.2e}, largest difference "
+              f"{worst[1]:.2e} of the largest value (worst rank)", flush=True)
 
 
 def _bench_case(buf: Any, group: Any, dist: Any, mode: str, tokens: int, hidden: int, args: argparse.Namespace,
@@ -239,12 +258,14 @@ def _bench_case(buf: Any, group: Any, dist: Any, mode: str, tokens: int, hidden:
         out_rows = sum(send_counts) - send_counts[rank]
     rdma_out, rdma_all = _rdma_pairs(group, layout, idx, operation, args.experts) if internode else (0, 0)
     t_epjit = median_us(op, group, args.repeat)
+    if mode == "combine-fp8":
+        _print_fp8_combine_error(buf, group, d, cfg)
     if args.profile:
         _profile_case(buf, group, op, mode, tokens, hidden, cfg)
     nccl_us = None if args.no_nccl else nccl_case_us(dist, group, operation, row_bytes, send_counts, recv_counts,
                                                      args.repeat)
-    deepep_us = None if peer is None else peer.normal_us(mode, x_arg, idx, w, args.experts, cfg.num_sms,
-                                                         args.repeat)
+    deepep_us = None if peer is None or mode == "combine-fp8" else peer.normal_us(  # (DeepEP has no FP8 combine)
+        mode, x_arg, idx, w, args.experts, cfg.num_sms, args.repeat)
     out_gbs = out_rows * row_bytes / (t_epjit * 1e-6) / 1e9
     deepep_gbs = recv_rows * row_bytes / (t_epjit * 1e-6) / 1e9
     rdma_gbs = rdma_leg_bytes(operation, hidden, args.topk, rdma_out) / (t_epjit * 1e-6) / 1e9

@@ -365,13 +365,14 @@ class Buffer:
 
     def combine(self, x: Any, handle: Any, topk_weights: Any = None, bias: Any = None, config: Any = None,
                 previous_event: Any = None, async_finish: bool = False,
-                allocate_on_comm_stream: bool = False) -> tuple[Any, Any, EventOverlap]:
+                allocate_on_comm_stream: bool = False, *, use_fp8: bool = False) -> tuple[Any, Any, EventOverlap]:
         """(combined_x, combined_topk_weights, event): for each original token the sum of the rows the ranks send
-        back for it, plus bias (one tensor or a pair)."""
+        back for it, plus bias (one tensor or a pair). ``use_fp8=True``, an epjit extension DeepEP does not have:
+        the rows travel as FP8 (epjit.Buffer.combine's use_fp8; inside one NVLink node)."""
         normal = self._normal_buffer()
         c = normal.combine(x, _epjit_handle(handle, NormalHandle, "combine"), topk_weights=topk_weights, bias=bias,
                            config=self._config(config, "combine"), previous_event=previous_event_of(previous_event),
-                           async_finish=async_finish)
+                           async_finish=async_finish, use_fp8=use_fp8)
         return c.x, c.topk_weights, overlap_of(c.event, async_finish)
 
     # DeepEP's dispatch() and combine() call these across NVLink nodes; epjit's Buffer picks its kernel family from

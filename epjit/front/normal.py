@@ -15,6 +15,7 @@ from typing import Any
 from ..arrays import address, check, fingerprint, kernel_array
 from ..config import Config, check_internode_need, config_key, expert_cap, get_combine_config, get_dispatch_config
 from ..errors import ArgumentError, ArgumentTypeError, check_flag, check_int, with_rank
+from ..kernels.intranode import combine_fp8_spec
 from ..ops.internode import Internode
 from ..ops.intranode import Intranode
 from ..ops.layout import DispatchLayout, Layout
@@ -266,7 +267,7 @@ class IntranodeFront:
     # ------------------------------------------------------------------------------------------------ combine
 
     def combine(self, y: Any, handle: DispatchHandle, topk_weights: Any, bias: Any, config: Config | None,
-                previous_event: Event | None, async_finish: Any) -> CombineResult:
+                previous_event: Event | None, async_finish: Any, use_fp8: Any = False) -> CombineResult:
         ops = self.ops
         ops.check_pending(self._caller_capturing)
         if not isinstance(handle, DispatchHandle) or handle.buffer_id != self.buffer_id:
@@ -274,10 +275,13 @@ class IntranodeFront:
         key = ("combine", fingerprint(y), fingerprint(topk_weights), fingerprint(bias), handle.num_rows,
                handle.num_tokens, handle.hidden, handle.num_topk, handle.num_channels, config_key(config),
                previous_event is None)
+        if use_fp8 is not False:  # (a bf16 call's key and plan are the ones it always had)
+            use_fp8 = check_flag(use_fp8, "use_fp8")
+            key = (*key, "fp8") if use_fp8 else key
         plan = self.plans.get(key)
         if plan is None:
             plan, y, topk_weights, bias = self._combine_plan(key, y, handle, topk_weights, bias, config,
-                                                             previous_event)
+                                                             previous_event, use_fp8)
         inputs = self.combine_inputs
         inputs.y, inputs.topk_weights = y, topk_weights
         if bias is None:
@@ -291,10 +295,12 @@ class IntranodeFront:
         return ops.combine(plan, inputs, handle, previous_event, async_finish)
 
     def _combine_plan(self, key: tuple[Any, ...], y: Any, handle: DispatchHandle, topk_weights: Any, bias: Any,
-                      config: Config | None, previous_event: Event | None) -> tuple[Any, ...]:
+                      config: Config | None, previous_event: Event | None, fp8: bool) -> tuple[Any, ...]:
         """Validate a combine whose shape has no plan yet: its plan, and this call's arrays as the kernels take them
         (bias as given: None, an array, or a tuple of up to two)."""
         dev = self.device
+        if fp8:
+            self._check_combine_fp8(handle.hidden)
         y_info = check(y, "y", dtype="bfloat16", shape=(("rows", handle.num_rows), ("H", handle.hidden)),
                        shape_note="as the dispatch delivered", device=dev)
         if topk_weights is not None:
@@ -311,11 +317,18 @@ class IntranodeFront:
         config = self._resolve_config(config, self.combine_config, handle.num_channels, "the dispatch")
         self._check_need(config, handle.hidden, handle.num_topk, 0, False, "combine")
         kind = "torch" if y_info.framework == "torch" and previous_event is None else "cupy"
-        plan = self.ops.combine_plan(y_info.framework, kind, self._spec_of(config), config, handle,
+        spec = self._spec_of(config)
+        plan = self.ops.combine_plan(y_info.framework, kind, combine_fp8_spec(spec) if fp8 else spec, config, handle,
                                      topk_weights is not None)
         if not isinstance(bias, (tuple, list)):
             biases = bias if bias is None else biases[0]  # type: ignore[assignment]
         return self.plans.remember(key, plan), kernel_array(y, y_info, "y"), topk_weights, biases
+
+    def _check_combine_fp8(self, hidden: int) -> None:
+        """Refuse an FP8 combine of rows it cannot quantise (a scale a 128 channels)."""
+        if hidden % 128:
+            raise ArgumentError(with_rank(f"combine with use_fp8=True needs hidden % 128 == 0 (a scale a 128 "
+                                          f"channels), but the dispatch's hidden is {hidden}"))
 
 
 class InternodeFront(IntranodeFront):
@@ -331,6 +344,11 @@ class InternodeFront(IntranodeFront):
 
     def _spec_of(self, config: Config) -> Any:
         return config.internode_spec(self.num_ranks, self.num_nvl_ranks)
+
+    def _check_combine_fp8(self, hidden: int) -> None:
+        raise ArgumentError(with_rank("combine with use_fp8=True is inside one NVLink node only for now: this "
+                                      f"Buffer spans {self.num_ranks // self.num_nvl_ranks} nodes (use_fp8=False "
+                                      "sends bf16)"))
 
     def _check_need(self, config: Config, hidden: int, num_topk: int, num_experts: int, fp8: bool,
                     what: str) -> None:

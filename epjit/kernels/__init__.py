@@ -18,7 +18,14 @@ from .internode import (
     by_stores,
     internode_spec,
 )
-from .intranode import IntranodeNotifySpec, IntranodeSpec, LayoutSpec, intranode_spec
+from .intranode import (
+    IntranodeCombineFp8Spec,
+    IntranodeNotifySpec,
+    IntranodeSpec,
+    LayoutSpec,
+    combine_fp8_spec,
+    intranode_spec,
+)
 from .low_latency import LowLatencyPutsSpec, LowLatencySpec, LowLatencyStoresSpec
 
 __all__ = [
@@ -27,6 +34,7 @@ __all__ = [
     "InternodeNotifyStoresSpec",
     "InternodeSpec",
     "InternodeStoresSpec",
+    "IntranodeCombineFp8Spec",
     "IntranodeNotifySpec",
     "IntranodeSpec",
     "LayoutSpec",
@@ -36,6 +44,7 @@ __all__ = [
     "PutSignalCheckSpec",
     "by_stores",
     "check_specs",
+    "combine_fp8_spec",
     "cuda_sources",
     "internode_spec",
     "intranode_spec",
@@ -76,7 +85,7 @@ def check_specs() -> list[KernelSpec]:
     specs: list[KernelSpec] = [BarrierSpec(n) for n in (1, 2, 4, 8)]
     specs += [PutSignalCheckSpec(False), PutSignalCheckSpec(True), LayoutSpec()]
     for ranks in (2, 4, 8):
-        specs += [IntranodeNotifySpec(ranks), intranode_spec(ranks)]
+        specs += [IntranodeNotifySpec(ranks), intranode_spec(ranks), combine_fp8_spec(intranode_spec(ranks))]
     # A tuning variant (Config's warp-role fields): the phased dispatch with 3 combine senders a peer.
     specs.append(intranode_spec(4, dispatch_phased=1, combine_send_warps=3))
     specs += [LowLatencySpec(), LowLatencyPutsSpec(), LowLatencyStoresSpec()]

@@ -115,6 +115,27 @@ class IntranodeSpec(KernelSpec):
         return self.dispatch_send_warps * (self.num_ranks - 1 if self.dispatch_phased else 1)
 
 
+@dataclass(frozen=True)
+class IntranodeCombineFp8Spec(KernelSpec):
+    """cuda_src/intranode.cu's FP8 combine (Buffer.combine(..., use_fp8=True)): the bf16 combine's rings, receipts
+    and warp roles, each row quantised to e4m3 with a float32 scale a 128 channels on its way out and summed in
+    float32 from the dequantised values. A build of its own, so the bf16 combine's module stays as it is and this
+    one compiles only where it runs; :func:`combine_fp8_spec` gives the one of an IntranodeSpec."""
+
+    num_ranks: int
+    num_threads: int
+    combine_send_warps: int
+
+    SOURCE = "intranode.cu"
+    BUILD = "intranode_combine_fp8"
+    KERNELS = {"intranode_combine_fp8": IntranodeSpec.KERNELS["intranode_combine"]}
+
+
+def combine_fp8_spec(spec: IntranodeSpec) -> IntranodeCombineFp8Spec:
+    """The FP8 combine with the warp roles of ``spec``'s combine."""
+    return IntranodeCombineFp8Spec(spec.num_ranks, spec.num_threads, spec.combine_send_warps)
+
+
 def default_dispatch_warps(num_ranks: int, num_warps: int) -> tuple[int, int]:
     """(sending, draining) warps a peer of a dispatch block: senders set the pace (a drain copies what has arrived),
     so they get what the own copy (at least one warp, then W / 2R) and one drain group a peer (W / (2R - 1) warps)

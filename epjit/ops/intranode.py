@@ -23,6 +23,7 @@ from ..kernels.intranode import (
     NOTIFY_TIMELINE_POINTS,
     NUM_THREADS,
     TIMELINE_POINTS,
+    IntranodeCombineFp8Spec,
     IntranodeNotifySpec,
     IntranodeSpec,
     normal_grid,
@@ -142,11 +143,13 @@ class Intranode:
                 out.row_allocator(kind, num_topk, out.dtype(kind, "int64")) if with_idx else None,
                 out.row_allocator(kind, num_topk, out.dtype(kind, "float32")) if with_weights else None)
 
-    def combine_plan(self, framework: str, kind: str, spec: IntranodeSpec, config: Config, handle: DispatchHandle,
-                     with_weights: bool) -> CombinePlan:
+    def combine_plan(self, framework: str, kind: str, spec: IntranodeSpec | IntranodeCombineFp8Spec, config: Config,
+                     handle: DispatchHandle, with_weights: bool) -> CombinePlan:
+        """A combine's plan: bf16 with an IntranodeSpec, FP8 (intranode_combine_fp8) with its own spec."""
         module = self.module(spec)
+        kernel = "intranode_combine_fp8" if isinstance(spec, IntranodeCombineFp8Spec) else "intranode_combine"
         args = module.spec.args(
-            "intranode_combine", peers=self.mem.table_ptr, claims=self.claims[1], num_tokens=handle.num_tokens,
+            kernel, peers=self.mem.table_ptr, claims=self.claims[1], num_tokens=handle.num_tokens,
             hidden=handle.hidden, num_topk=handle.num_topk, num_channels=handle.num_channels,
             num_slots=config.nvl_chunk_recv, num_max_send_tokens=config.nvl_chunk_send, timeline=0)
         return self._combine_plan(framework, kind, handle, with_weights, args, module)

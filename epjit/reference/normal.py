@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import check_int
+from ..errors import check_flag, check_int
 from ._checks import (
     align_up,
     argument_error,
@@ -24,6 +24,7 @@ from ._checks import (
     per_rank,
     type_error,
 )
+from .numerics import fp8_to_float, per_token_cast_to_fp8
 from .results import BF16, FP8, FP8_BLOCK, Bias, CombineResult, DispatchHandle, DispatchResult, Layout
 
 
@@ -361,6 +362,16 @@ def _add_returned_rows(
     return touched
 
 
+def _fp8_round_trips(ys: list[np.ndarray], hidden: int, nvl: int | None, num_ranks: int) -> list[np.ndarray]:
+    """Each rank's rows as an FP8 combine sends them: quantised and dequantised (float32), row by row."""
+    check_hidden_fp8(hidden, "ys")
+    if nvl is not None:
+        raise argument_error(f"use_fp8=True is inside one NVLink node only for now, but num_nvl_ranks={nvl} "
+                             f"splits the {num_ranks} ranks into {num_ranks // nvl} nodes")
+    with np.errstate(invalid="ignore", over="ignore"):  # padding rows (never summed) may hold anything
+        return [fp8_to_float(*per_token_cast_to_fp8(y)) for y in ys]
+
+
 def combine(
     ys: Sequence[np.ndarray],
     handles: Sequence[DispatchHandle],
@@ -368,6 +379,7 @@ def combine(
     topk_weights: Sequence[np.ndarray] | None = None,
     bias: Sequence[Bias] | None = None,
     num_nvl_ranks: int | None = None,
+    use_fp8: bool = False,
 ) -> list[CombineResult]:
     """Normal-mode combine, the adjoint of :func:`dispatch`.
 
@@ -393,6 +405,11 @@ def combine(
     ``[N_s, K]`` in the same order (across nodes: per node over ``j``, then over ``m``) in float32 and never
     rounded to bf16; since each rank holds 0 outside its own experts, this gives back the original weights of the
     slots that named an expert (slots that were -1 come back as 0). ``num_nvl_ranks`` must divide ``R``.
+
+    ``use_fp8=True`` (``Buffer.combine(..., use_fp8=True)``; one NVLink node, ``H % 128 == 0``): every row returned
+    is replaced by its FP8 round trip before the sum above, ``fp8_to_float(*per_token_cast_to_fp8(row))`` (e4m3 with
+    a float32 scale ``amax / 448`` a 128 channels, unrounded; the dequantised value a float32 product), whichever
+    rank it comes from, the rank's own included. Bias and weights are not quantised.
     """
     handles = per_rank("handles", handles)
     num_ranks = len(handles)
@@ -401,6 +418,8 @@ def combine(
     _check_handles(handles)
     ys_in, weights_in = _check_combine_inputs(ys, handles, topk_weights)
     hidden = ys_in[0].shape[1]
+    if check_flag(use_fp8, "use_fp8"):
+        ys_in = _fp8_round_trips(ys_in, hidden, nvl, num_ranks)
     num_tokens = [h.is_token_in_rank.shape[0] for h in handles]
     acc = _combine_bias(bias, num_tokens, hidden)
     weights_acc = None

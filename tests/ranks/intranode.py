@@ -194,7 +194,24 @@ def run_case(
                               num_nvl_ranks=NVL_RANKS)
     same("combined_x", to_numpy(c.x), c_ref[rank].x)
     same("combined_topk_weights", to_numpy(c.topk_weights), c_ref[rank].topk_weights)
-    return {"recv": m}
+    if NVL_RANKS is not None:  # the FP8 combine is one node's only
+        return {"recv": m}
+    # The FP8 combine of the same rows: bit for bit the reference's (quantisation exact, the sum in its order), and
+    # its distance from the bf16 combine (DeepEP's calc_diff) reported.
+    c8 = buf.combine(to_torch(y_local), d.handle, topk_weights=d.topk_weights, bias=bias_t,
+                     config=small_config(R, sms) if sms else None, use_fp8=True)
+    c8_ref = reference.combine(ys, [h.handle for h in ref], topk_weights=[h.topk_weights for h in ref],
+                               bias=biases, use_fp8=True)
+    same("combined_x (use_fp8)", to_numpy(c8.x), c8_ref[rank].x)
+    same("combined_topk_weights (use_fp8)", to_numpy(c8.topk_weights), c8_ref[rank].topk_weights)
+    return {"recv": m, "fp8_calc_diff": reference.calc_diff(to_numpy(c8.x), to_numpy(c.x))}
+
+
+def fp8_combine_refusal(buf, group) -> None:
+    """What use_fp8=True refuses: hidden % 128 != 0 inside one node (2056), any hidden across nodes."""
+    x = torch.randn(64, 2048 if group.num_nvl_ranks < group.size else 2056, device="cuda").to(torch.bfloat16)
+    d = buf.dispatch(x, topk_idx=torch.randint(0, 64, (64, 4), device="cuda"), num_experts=64)
+    buf.combine(d.x, d.handle, use_fp8=True)
 
 
 def check_rdma_pairs(handle, idxs: list[np.ndarray], num_experts: int, rank: int, R: int) -> None:
@@ -328,12 +345,17 @@ def main() -> int:
         ]
         if args.quick:
             cases = cases[::3] + cases[-6:]
+        result["fp8_combine"] = {"cases": 0, "max_calc_diff": 0.0}
         for i, case in enumerate(cases):
             try:
-                run_case(buf, rank, R, seed=1000 + i, **case)
+                out = run_case(buf, rank, R, seed=1000 + i, **case)
             except Mismatch as e:
                 raise Mismatch(f"case {i} {case}: {e}") from None
             result["cases"] += 1
+            if "fp8_calc_diff" in out:
+                fp8_combine = result["fp8_combine"]
+                fp8_combine["cases"] += 1
+                fp8_combine["max_calc_diff"] = max(fp8_combine["max_calc_diff"], out["fp8_calc_diff"])
             check_barriers(buf, group, f"case {i}", result)
 
         # What users run: outputs not poisoned, so torch allocates every output itself and the layout kernel runs on
@@ -387,6 +409,7 @@ def main() -> int:
             ("experts_not_divisible", lambda: buf.dispatch(x, topk_idx=idx % 63, num_experts=63)),
             ("buffer_too_small", lambda: buf.dispatch(x, topk_idx=idx, num_experts=64,
                                                       config=epjit.Config(128, 6, 4096))),
+            ("combine_fp8", lambda: fp8_combine_refusal(buf, group)),
         ]:
             try:
                 call()

@@ -1,0 +1,176 @@
+"""CPU tier of the FP8 normal combine (``Buffer.combine(..., use_fp8=True)``): the reference's semantics over
+simulated ranks, and what the Buffer's front refuses before any plan or kernel. The GPU kernel is held bit for bit
+to the reference by tests/ranks/intranode.py (tests/test_gpu_intranode.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from epjit import ArgumentError, ArgumentTypeError, Buffer
+from epjit import reference as ref
+from epjit.front.common import Plans
+from epjit.front.normal import InternodeFront, IntranodeFront
+from epjit.ops.normal import DispatchHandle
+
+from .test_reference import BF16, bf16, bits, random_routing
+
+
+def _dequantised(y: np.ndarray) -> np.ndarray:
+    return ref.fp8_to_float(*ref.per_token_cast_to_fp8(y))
+
+
+def _fp8_by_hand(ys, handles, biases):
+    """The documented formula, spelt out: per token, bias first, then each rank's row's FP8 round trip, in rank
+    order, in float32; bf16 once at the end."""
+    out = []
+    for s in range(len(biases)):
+        acc = biases[s].astype(np.float32).copy()
+        for r, h in enumerate(handles):
+            for row in np.flatnonzero(h.src_rank == s):
+                acc[h.src_token[row]] += _dequantised(ys[r][row:row + 1])[0]
+        out.append(acc.astype(BF16))
+    return out
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_fp8_combine_sums_each_rows_round_trip_in_rank_order(num_ranks):
+    rng = np.random.default_rng(50 + num_ranks)
+    num_experts, hidden = 4 * num_ranks, 256
+    xs, idx, w = random_routing(rng, num_ranks, num_experts, 3, hidden)
+    d = ref.dispatch(xs, idx, w, num_experts)
+    handles = [r.handle for r in d]
+    ys = [bf16(rng.standard_normal(r.x.shape) * 10.0 ** rng.integers(-3, 3, size=(r.x.shape[0], 1))) for r in d]
+    biases = [bf16(rng.standard_normal(x.shape)) for x in xs]
+    c = ref.combine(ys, handles, topk_weights=[r.topk_weights for r in d], bias=biases, use_fp8=True)
+    plain = ref.combine(ys, handles, topk_weights=[r.topk_weights for r in d], bias=biases)
+    want = _fp8_by_hand(ys, handles, biases)
+    for s in range(num_ranks):
+        np.testing.assert_array_equal(bits(c[s].x), bits(want[s]))
+        np.testing.assert_array_equal(c[s].topk_weights, plain[s].topk_weights)  # weights are never quantised
+
+
+def test_fp8_combine_of_rows_fp8_holds_exactly_is_the_bf16_combine():
+    """Rows whose every 128 channels are e4m3 values times 2**k with one at +-448 * 2**k: the scale is 2**k and the
+    round trip exact, so the FP8 combine is the bf16 combine bit for bit."""
+    rng = np.random.default_rng(7)
+    e4m3 = np.unique(ref.fp8_bits_to_float32(np.arange(256, dtype=np.uint8)))
+    e4m3 = e4m3[np.isfinite(e4m3)]
+    xs, idx, w = random_routing(rng, 4, 16, 4, 512)
+    d = ref.dispatch(xs, idx, w, 16)
+    ys = []
+    for r in d:
+        blocks = rng.choice(e4m3, size=(r.x.shape[0], 4, 128))
+        blocks[:, :, 0] = 448.0 * rng.choice([-1.0, 1.0], size=(r.x.shape[0], 4))
+        ys.append(bf16((blocks * 2.0 ** rng.integers(-6, 4, size=(r.x.shape[0], 4, 1))).reshape(-1, 512)))
+    handles = [r.handle for r in d]
+    for fp8, plain in zip(ref.combine(ys, handles, use_fp8=True), ref.combine(ys, handles), strict=True):
+        np.testing.assert_array_equal(bits(fp8.x), bits(plain.x))
+
+
+def test_fp8_combine_error_against_bf16():
+    """What e4m3 costs (3 mantissa bits: at most 2**-4 relative a value): DeepEP's calc_diff against the bf16
+    combine is about 2.6e-4 on normal rows, and no value moves by more than 2**-4 of its token's largest."""
+    rng = np.random.default_rng(3)
+    xs, idx, w = random_routing(rng, 4, 32, 8, 1024, token_counts=[64, 64, 64, 64], hole_prob=0.0)
+    d = ref.dispatch(xs, idx, w, 32)
+    ys = [bf16(rng.standard_normal(r.x.shape)) for r in d]
+    handles = [r.handle for r in d]
+    for fp8, plain in zip(ref.combine(ys, handles, use_fp8=True), ref.combine(ys, handles), strict=True):
+        a, b = fp8.x.astype(np.float32), plain.x.astype(np.float32)
+        assert 0 < ref.calc_diff(a, b) < 1e-3
+        assert np.all(np.abs(a - b) <= 2**-4 * np.abs(b).max(axis=1, keepdims=True) + 1e-6)
+
+
+def test_fp8_combine_ignores_padding_rows():
+    d = ref.dispatch([bf16(np.ones((3, 128))), bf16(np.zeros((0, 128)))],
+                     [np.array([[0], [1], [2]]), np.zeros((0, 1), np.int64)], None, 4, num_worst_tokens=4)
+    ys = [np.concatenate([d[0].x[:2], bf16(np.full((2, 128), np.nan))]),
+          np.concatenate([d[1].x[:1], bf16(np.full((3, 128), np.inf))])]
+    c = ref.combine(ys, [r.handle for r in d], use_fp8=True)
+    np.testing.assert_array_equal(bits(c[0].x), bits(bf16(np.ones((3, 128)))))  # 1 = 448 x (1 / 448): exact
+
+
+def test_reference_fp8_combine_refusals():
+    d = ref.dispatch([bf16(np.ones((2, 64)))] * 2, [np.array([[0], [1]])] * 2, None, 2)
+    handles, ys = [r.handle for r in d], [r.x for r in d]
+    with pytest.raises(ArgumentError, match="ys has hidden=64, which must be a multiple of 128 for FP8"):
+        ref.combine(ys, handles, use_fp8=True)
+    with pytest.raises(ArgumentTypeError, match="use_fp8 must be True or False, got 'yes'"):
+        ref.combine(ys, handles, use_fp8="yes")
+    d = ref.dispatch([bf16(np.ones((2, 128)))] * 4, [np.array([[0], [3]])] * 4, None, 4)
+    with pytest.raises(ArgumentError, match="inside one NVLink node only for now, but num_nvl_ranks=2"):
+        ref.combine([r.x for r in d], [r.handle for r in d], num_nvl_ranks=2, use_fp8=True)
+
+
+# ---------------------------------------------------------------------------------------------------- the front
+
+
+class _Looked(Exception):
+    pass
+
+
+class _StopAtLookup(dict):
+    def get(self, key, default=None):
+        raise _Looked(key)
+
+
+def _front(cls: type = IntranodeFront, num_ranks: int = 2, num_nvl_ranks: int = 2, plans: dict | None = None):
+    """A normal-mode front with nothing behind it (no GPU): a call reaches its checks and its plan look-up only."""
+    front = object.__new__(cls)
+    front.res, front.device, front.buffer_id = SimpleNamespace(), 0, 1
+    front.plans = _StopAtLookup() if plans is None else plans
+    front.num_ranks, front.num_nvl_ranks, front.num_experts = num_ranks, num_nvl_ranks, 64
+    front.ops = SimpleNamespace(check_pending=lambda capturing: None)
+    return front
+
+
+def _handle(hidden: int) -> DispatchHandle:
+    plan = SimpleNamespace(num_tokens=4, hidden=hidden, num_topk=2, num_channels=24, num_experts=64)
+    return DispatchHandle((), 0, None, 4, 4, plan, 1)  # type: ignore[arg-type]
+
+
+def _combine(front, hidden: int = 256, **kwargs):
+    return front.combine(None, _handle(hidden), None, None, None, None, False, **kwargs)
+
+
+def test_buffer_combine_takes_use_fp8_by_keyword_only():
+    import inspect
+
+    param = inspect.signature(Buffer.combine).parameters["use_fp8"]
+    assert param.kind is inspect.Parameter.KEYWORD_ONLY and param.default is False
+
+
+def test_front_keys_an_fp8_combine_apart_and_a_bf16_one_as_before():
+    with pytest.raises(_Looked) as plain:
+        _combine(_front())
+    for value in (True, np.True_, 1):
+        with pytest.raises(_Looked) as fp8:
+            _combine(_front(), use_fp8=value)
+        assert fp8.value.args[0] == (*plain.value.args[0], "fp8")
+    for value in (False, np.False_, 0):
+        with pytest.raises(_Looked) as same:
+            _combine(_front(), use_fp8=value)
+        assert same.value.args[0] == plain.value.args[0]
+
+
+@pytest.mark.parametrize("value", ["True", None, 2, np.array([True, False])], ids=repr)
+def test_front_refuses_use_fp8_that_is_not_a_flag(value):
+    with pytest.raises(ArgumentTypeError, match=r"^use_fp8 must be True or False, got "):
+        _combine(_front(), use_fp8=value)
+
+
+def test_front_refuses_fp8_combine_of_hidden_not_a_multiple_of_128():
+    with pytest.raises(ArgumentError) as e:
+        _combine(_front(plans=Plans()), hidden=200, use_fp8=True)
+    assert str(e.value) == ("combine with use_fp8=True needs hidden % 128 == 0 (a scale a 128 channels), but the "
+                            "dispatch's hidden is 200")
+
+
+def test_front_refuses_fp8_combine_across_nodes():
+    with pytest.raises(ArgumentError) as e:
+        _combine(_front(InternodeFront, 4, 2, plans=Plans()), use_fp8=True)
+    assert str(e.value) == ("combine with use_fp8=True is inside one NVLink node only for now: this Buffer spans 2 "
+                            "nodes (use_fp8=False sends bf16)")
