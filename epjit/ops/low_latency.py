@@ -12,10 +12,17 @@ Status words (``host_status``, mapped host memory written by the kernels only): 
 released after the counts; word 1 + b counts the calls that raised status bit b. The host remembers what it has
 raised and raises what the counts gained since, so a repeated problem is raised again and two reports between two
 looks are raised together.
+
+Shrink mode (a Buffer made with enable_shrink: the kernels' EPJIT_LL_SHRINK build, docs/reliability.md): the mask,
+int32 [R] in the sync words' device memory, names the ranks neither sent to nor waited for; a kernel wait that times
+out on a peer masks it, leaves the record of that wait in ``mask_records`` (mapped host memory, WaitRecord [R]) and
+raises status bit STATUS_RANK_MASKED, which the host turns into a warning and a report (``mask_reports``) instead of
+an error.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,15 +35,19 @@ from ..arrays import address
 from ..errors import ArgumentError, EpjitError, with_rank
 from ..kernels.low_latency import (
     LOW_LATENCY_THREADS,
+    SHRINK_BUILDS,
+    SHRINK_BYTES,
     SYNC_BYTES,
     TIMELINE_POINTS,
     LowLatencyPutsSpec,
     LowLatencySpec,
     LowLatencyStoresSpec,
+    clean_words_offset,
     dispatch_shared_bytes,
     low_latency_size_hint,
+    shrink_offset,
 )
-from ..memory import IpcHeap, MappedHostArray, PeerMemory, SymmetricHeap
+from ..memory import WAIT_RECORD_BYTES, IpcHeap, MappedHostArray, PeerMemory, SymmetricHeap, WaitRecord
 from .loader import load
 from .profile import Profile
 from .streams import Event, Outputs, Streams, caller_stream
@@ -46,7 +57,8 @@ PHASE_SEND, PHASE_RECV = 1, 2  # kPhaseSend, kPhaseRecv: which halves a launch r
 FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4  # kFlagFp8, kFlagRoundScale, kFlagUe8m0
 # Status bits (kLowLatencyInvalidIds, ...): what a kernel found wrong, reported through the status words.
 STATUS_INVALID_IDS, STATUS_SLOT_OVERFLOW, STATUS_META_MISMATCH, STATUS_LAYOUT_TOO_BIG = 1, 2, 4, 8
-STATUS_BIT_COUNT = 4  # kStatusBitCount: host_status holds [0] reports, [1 + b] calls that raised bit b
+STATUS_RANK_MASKED = 16  # kLowLatencyRankMasked: shrink mode, a wait masked a peer (a warning, not an error)
+STATUS_BIT_COUNT = 5  # kStatusBitCount: host_status holds [0] reports, [1 + b] calls that raised bit b
 # Blocks of a low-latency kernel, one an SM: both receive halves are bound by what an SM loads, so they want many;
 # beyond 128 nothing was gained (docs/history.md, "Low-latency fences, acks, flags and blocks").
 MAX_BLOCKS = 128
@@ -66,13 +78,15 @@ def _cupy() -> Any:
     return cupy
 
 
-def kernels_for(force_puts: bool, heap: SymmetricHeap | IpcHeap | None) -> LowLatencySpec:
+def kernels_for(force_puts: bool, heap: SymmetricHeap | IpcHeap | None, shrink: bool = False) -> LowLatencySpec:
     """The build of the kernels this Buffer runs: without NVSHMEM where every peer is reached by pointer and puts are
     not forced; with NVSHMEM's puts where one is not (or puts are forced on its heap); with the put path as NVLink
-    stores where puts are forced on IPC memory (EPJIT_RDMA_BY_STORES)."""
+    stores where puts are forced on IPC memory (EPJIT_RDMA_BY_STORES). ``shrink``: that build in shrink mode."""
     if not needs_puts(force_puts, heap):
-        return LowLatencySpec()
-    return LowLatencyStoresSpec() if isinstance(heap, IpcHeap) else LowLatencyPutsSpec()
+        spec: LowLatencySpec = LowLatencySpec()
+    else:
+        spec = LowLatencyStoresSpec() if isinstance(heap, IpcHeap) else LowLatencyPutsSpec()
+    return SHRINK_BUILDS[type(spec)]() if shrink else spec
 
 
 def needs_puts(force_puts: bool, heap: SymmetricHeap | IpcHeap | None) -> bool:
@@ -242,11 +256,64 @@ class CombinePlan:
     args: jit.KernelArgs
 
 
+log = logging.getLogger("epjit.low_latency")
+
+
+def sync_ints(num_experts: int, num_ranks: int, shrink: bool) -> int:
+    """int32 words of a Buffer's LowLatencySync allocation: the struct and expert_sent, and in shrink mode
+    LowLatencyShrink and the mask after them (cuda_src/low_latency.cuh)."""
+    if not shrink:
+        return SYNC_BYTES // 4 + num_experts
+    return (shrink_offset(num_experts) + SHRINK_BYTES) // 4 + num_ranks
+
+
+class ShrinkMask:
+    """Shrink mode's mask and what the kernels report through it: the mask (an int32 [R] view of the sync words,
+    zero at creation), the records of the waits that masked a rank (mapped host memory), and the reports the host
+    made of them (each a WaitRecord's fields, read once)."""
+
+    def __init__(self, sync: Any, num_experts: int, num_ranks: int, timeout_s: float) -> None:
+        start = shrink_offset(num_experts) // 4
+        self.num_ranks = num_ranks
+        self.records = MappedHostArray(WAIT_RECORD_BYTES * num_ranks)
+        self.mask = sync[start + SHRINK_BYTES // 4:start + SHRINK_BYTES // 4 + num_ranks]
+        # LowLatencyShrink {arrived, generation, records, timeout_ns}: the host writes the last two, once.
+        words = np.array([self.records.device_ptr, int(timeout_s * 1e9)], dtype=np.uint64).view(np.int32)
+        sync[start + 2:start + 6].set(words)
+        self.reports: list[dict[str, Any]] = []
+        self.reported: set[int] = set()
+        self.cleans = 0  # clean_low_latency_buffer calls: the clean barrier's rounds are 2 cleans + 1 and + 2
+
+    def close(self) -> None:
+        self.records.close()
+
+    def collect(self) -> None:
+        """Report (a warning each, and in ``reports``) every rank a kernel wait masked since the last look."""
+        for peer, part in enumerate(self.records.parts(WAIT_RECORD_BYTES)):
+            if peer in self.reported or part.ints[0] == 0:
+                continue
+            rec = WaitRecord.decode(part.bytes)
+            self.reported.add(peer)
+            self.reports.append(rec)
+            log.warning(with_rank(
+                f"rank {rec['rank']} masked rank {peer}: it did not answer within {rec['elapsed_ns'] / 1e9:.1f} s "
+                f"in {rec['site']} (expected {rec['expected']}, last saw {rec['observed']}); the low-latency "
+                "calls go on without it (EPJIT_SHRINK_TIMEOUT_S sets the limit)"))
+
+    def forget(self) -> None:
+        """After the mask was cleared (no kernel runs): the records and reports start again."""
+        self.records.bytes[:] = 0
+        self.reported.clear()
+
+
 class LowLatency:
     """A low-latency Buffer's kernels, device words, status words and the bookkeeping of its two buffer sets."""
 
     def __init__(self, mem: PeerMemory, streams: Streams, outputs: Outputs, profile: Profile, device: int,
-                 num_max_tokens: int, hidden: int, num_experts: int, force_puts: bool, num_sms: int) -> None:
+                 num_max_tokens: int, hidden: int, num_experts: int, force_puts: bool, num_sms: int,
+                 shrink_timeout_s: float | None = None) -> None:
+        """``shrink_timeout_s``: shrink mode (the kernels' shrink build), a peer that does not answer within it
+        masked; None: without."""
         cupy = _cupy()
         self.mem, self.streams, self.outputs, self.profile = mem, streams, outputs, profile
         self.device = device
@@ -254,9 +321,12 @@ class LowLatency:
         self.num_max_tokens, self.hidden, self.num_experts = num_max_tokens, hidden, num_experts
         self.force_puts = int(force_puts)
         self.puts = needs_puts(force_puts, mem.sym)  # the build with a put path: no LogFMT combine there
-        self.module = load(kernels_for(force_puts, mem.sym), device)
+        shrink = shrink_timeout_s is not None
+        self.module = load(kernels_for(force_puts, mem.sym, shrink), device)
         with cupy.cuda.Device(device):
-            self.sync = cupy.zeros(SYNC_BYTES // 4 + num_experts, dtype=cupy.int32)  # + expert_sent
+            # LowLatencySync + expert_sent (+ shrink mode's words and mask)
+            self.sync = cupy.zeros(sync_ints(num_experts, self.num_ranks, shrink), dtype=cupy.int32)
+            self.shrink = ShrinkMask(self.sync, num_experts, self.num_ranks, shrink_timeout_s) if shrink else None
         self.host_status = MappedHostArray(64)  # see the module docstring
         self.status_seen = np.zeros(1 + STATUS_BIT_COUNT, dtype=np.int32)
         self.next_set = 0
@@ -269,6 +339,8 @@ class LowLatency:
     def close(self) -> None:
         self.closed = True
         self.host_status.close()
+        if self.shrink is not None:
+            self.shrink.close()
 
     # ---------------------------------------------------------------------------------------------------- plans
 
@@ -454,7 +526,8 @@ class LowLatency:
     # ---------------------------------------------------------------------------------------------------- status
 
     def raise_status(self) -> None:
-        """Raise, once, what earlier kernels found (their last block counts it in host_status)."""
+        """Raise, once, what earlier kernels found (their last block counts it in host_status); a rank a wait
+        masked (shrink mode) is a warning and a report, not an error."""
         ints = self.host_status.ints
         if ints[0] == self.status_seen[0]:
             return
@@ -463,6 +536,11 @@ class LowLatency:
         raised = counts != self.status_seen[1:]
         self.status_seen[0], self.status_seen[1:] = reports, counts
         status = sum(1 << b for b in range(STATUS_BIT_COUNT) if raised[b])
+        if status & STATUS_RANK_MASKED and self.shrink is not None:
+            self.shrink.collect()
+            status &= ~STATUS_RANK_MASKED
+        if status == 0:
+            return
         raise ArgumentError(with_rank("an earlier low-latency call was wrong, its results are not valid: "
                                       + "; ".join(self.describe_status(status))))
 
@@ -479,6 +557,8 @@ class LowLatency:
         if status & STATUS_LAYOUT_TOO_BIG:
             problems.append("the kernels' buffer layout does not fit the symmetric heap (an epjit bug: "
                             "epjit/kernels/low_latency.py and cuda_src/low_latency.cuh disagree)")
+        if status & STATUS_RANK_MASKED:
+            problems.append("a wait on a peer timed out and masked it")
         return problems
 
     def clean(self) -> None:
@@ -492,13 +572,77 @@ class LowLatency:
             cupy.cuda.runtime.memset(heap.base, 0, low_latency_size_hint(
                 self.num_max_tokens, self.hidden, self.num_ranks, self.num_experts))
             cupy.cuda.runtime.deviceSynchronize()
-        self.host_status.ints[:] = 0  # no kernel runs: the synchronisation above
+        self._forget()
+
+    def _forget(self) -> None:
+        self.host_status.ints[:] = 0  # no kernel runs: the caller synchronised
         self.status_seen[:] = 0
         self.next_set = 0
         self.pending = [None, None]
 
+    # ---------------------------------------------------------------------------------------------------- shrink
+
+    def clean_live(self) -> None:
+        """Shrink mode's clean: the device barrier of the live ranks (ll_clean_barrier, a rank that does not come
+        masked), this rank's two sets and call words zeroed, the barrier again; the mask and the clean words kept.
+        No host collective, so a dead rank cannot hang it. No low-latency work of this rank is in flight."""
+        cupy, shrink = _cupy(), self.shrink
+        assert shrink is not None and self.mem.sym is not None
+        args = self.module.spec.args("ll_clean_barrier", peers=self.mem.table_ptr, sync=int(self.sync.data.ptr),
+                                     num_experts=self.num_experts, max_tokens=self.num_max_tokens, hidden=self.hidden,
+                                     force_puts=self.force_puts)
+        comm = self.streams.comm
+        with cupy.cuda.Device(self.device):
+            self.module.launch(args.set(round=2 * shrink.cleans + 1), 1, LOW_LATENCY_THREADS,
+                               stream=self.streams.comm_ptr)
+            with comm:
+                self.sync[:SYNC_BYTES // 4 + self.num_experts].fill(0)  # (not the mask after them)
+            sets = clean_words_offset(self.num_ranks, self.num_experts, self.num_max_tokens, self.hidden)
+            cupy.cuda.runtime.memsetAsync(self.mem.sym.base, 0, sets, self.streams.comm_ptr)
+            self.module.launch(args.set(round=2 * shrink.cleans + 2), 1, LOW_LATENCY_THREADS,
+                               stream=self.streams.comm_ptr)
+            shrink.cleans += 1
+            self.mem.synchronize(comm)
+        self._forget()
+        shrink.collect()
+
+    def update_mask(self, rank: int, mask: bool) -> None:
+        """Mask (or unmask) ``rank``, on the communication stream: every later low-latency call sees it."""
+        cupy, shrink = _cupy(), self.shrink
+        assert shrink is not None
+        with cupy.cuda.Device(self.device), self.streams.comm:
+            shrink.mask[rank] = 1 if mask else 0
+
+    def query_mask(self, out_address: int, framework: str) -> None:
+        """The mask into the int32 [R] array at ``out_address``, ordered after this Buffer's calls and before the
+        caller's later work on its stream."""
+        cupy, shrink = _cupy(), self.shrink
+        assert shrink is not None
+        caller = caller_stream(framework, self.device)
+        self.streams.begin(caller)
+        with cupy.cuda.Device(self.device):
+            cupy.cuda.runtime.memcpyAsync(out_address, int(shrink.mask.data.ptr), 4 * self.num_ranks,
+                                          cupy.cuda.runtime.memcpyDeviceToDevice, self.streams.comm_ptr)
+        self.streams.finish(caller, False)
+
+    def clean_mask(self) -> None:
+        """Unmask every rank; the records and reports of earlier masks are forgotten (waits for this Buffer's
+        work)."""
+        cupy, shrink = _cupy(), self.shrink
+        assert shrink is not None
+        with cupy.cuda.Device(self.device), self.streams.comm:
+            shrink.mask.fill(0)
+        self.mem.synchronize(self.streams.comm)
+        shrink.forget()
+
+    def mask_reports(self) -> list[dict[str, Any]]:
+        """What the waits that masked a rank recorded, oldest first (reads what kernels left since the last look)."""
+        assert self.shrink is not None
+        self.shrink.collect()
+        return list(self.shrink.reports)
+
 
 __all__ = ["FLAG_FP8", "FLAG_ROUND_SCALE", "FLAG_UE8M0", "MAX_BLOCKS", "PHASE_RECV", "PHASE_SEND",
            "STATUS_BIT_COUNT", "STATUS_INVALID_IDS", "STATUS_LAYOUT_TOO_BIG", "STATUS_META_MISMATCH",
-           "STATUS_SLOT_OVERFLOW", "LowLatency", "LowLatencyCombineResult", "LowLatencyDispatchResult",
-           "LowLatencyHandle", "needs_puts"]
+           "STATUS_RANK_MASKED", "STATUS_SLOT_OVERFLOW", "LowLatency", "LowLatencyCombineResult",
+           "LowLatencyDispatchResult", "LowLatencyHandle", "ShrinkMask", "needs_puts"]
