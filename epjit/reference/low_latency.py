@@ -388,7 +388,13 @@ def _combine_live(ys: Sequence[Any], topk_idx: Sequence[Any], topk_weights: Sequ
         idx_live.append(idx)
         weights_live.append(topk_weights[r])
         ys_live.append(ys[r])
-        handles_live.append(handles[r])
+        # A source masked after the dispatch (DeepEP: a combine's wait timed out) sends nothing home: its blocks go.
+        begin, count = unpack_layout_range(handles[r].layout_range)
+        count[:, sorted(masked)] = 0
+        handles_live.append(LowLatencyHandle(
+            src_info=handles[r].src_info, layout_range=pack_layout_range(begin, count),
+            num_max_dispatch_tokens_per_rank=model.num_max_dispatch_tokens_per_rank, hidden=model.hidden,
+            num_experts=model.num_experts))
     results = low_latency_combine(ys_live, idx_live, weights_live, handles_live, use_logfmt=use_logfmt)
     return [None if r in masked else results[r] for r in range(num_ranks)]
 
