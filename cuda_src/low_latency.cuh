@@ -161,7 +161,7 @@ __device__ __forceinline__ int32_t* expert_sent_counters(LowLatencySync* sync) {
 }
 
 // Shrink mode (the EPJIT_LL_SHRINK build, for a Buffer made with enable_shrink): after expert_sent, 8-byte aligned
-// (epjit/ops/low_latency.py: shrink_offset). Written by the host at creation but for the grid barrier and the mask.
+// (epjit/kernels/low_latency.py: shrink_offset). Written by the host at creation but for the grid barrier and the mask.
 struct LowLatencyShrink {
     int32_t arrived;      // grid barrier (grid_sync): the blocks that reached it
     int32_t generation;   // grid barrier: how often every block did

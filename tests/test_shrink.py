@@ -104,9 +104,10 @@ def _front(shrink: object) -> LowLatencyFront:
     front = object.__new__(LowLatencyFront)
     front.num_ranks, front.device = R, 0
     calls: list[tuple] = []
-    front.ops = SimpleNamespace(shrink=shrink, calls=calls,
-                                update_mask=lambda rank, mask: calls.append(("update", rank, mask)),
-                                clean_mask=lambda: calls.append(("clean",)), mask_reports=lambda: ["report"])
+    if shrink is not None:
+        shrink = SimpleNamespace(update=lambda rank, mask: calls.append(("update", rank, mask)),
+                                 clean=lambda: calls.append(("clean",)), mask_reports=lambda: ["report"])
+    front.ops = SimpleNamespace(shrink=shrink, calls=calls)
     return front
 
 
@@ -168,7 +169,8 @@ class _HostRecords:
 
 
 def test_a_masked_rank_is_a_warning_and_a_report_once(caplog):
-    from epjit.ops.low_latency import STATUS_BIT_COUNT, STATUS_RANK_MASKED, LowLatency, ShrinkMask
+    from epjit.ops.low_latency import STATUS_BIT_COUNT, STATUS_RANK_MASKED, LowLatency
+    from epjit.ops.shrink import ShrinkMask
 
     shrink = object.__new__(ShrinkMask)
     shrink.records, shrink.reports, shrink.reported = _HostRecords(128 * R), [], set()

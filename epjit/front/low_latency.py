@@ -234,17 +234,17 @@ class LowLatencyFront:
         rank = check_int(rank_to_mask, "rank_to_mask")
         if rank >= self.num_ranks:
             raise ArgumentError(with_rank(f"rank_to_mask={rank} is not a rank of this Buffer's {self.num_ranks}"))
-        self.ops.update_mask(rank, check_flag(mask, "mask"))
+        self.ops.shrink.update(rank, check_flag(mask, "mask"))
 
     def query_mask(self, mask_status: Any) -> None:
         self._shrink_call("low_latency_query_mask_buffer")
         info = check(mask_status, "mask_status", dtype="int32", shape=(self.num_ranks,), device=self.device)
-        self.ops.query_mask(address(kernel_array(mask_status, info, "mask_status")), info.framework)
+        self.ops.shrink.query(address(kernel_array(mask_status, info, "mask_status")), info.framework)
 
     def clean_mask(self) -> None:
         self._shrink_call("low_latency_clean_mask_buffer")
-        self.ops.clean_mask()
+        self.ops.shrink.clean()
 
     def mask_reports(self) -> list[dict[str, Any]]:
         self._shrink_call("low_latency_mask_reports")
-        return self.ops.mask_reports()
+        return self.ops.shrink.mask_reports()

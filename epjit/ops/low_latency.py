@@ -13,16 +13,13 @@ released after the counts; word 1 + b counts the calls that raised status bit b.
 raised and raises what the counts gained since, so a repeated problem is raised again and two reports between two
 looks are raised together.
 
-Shrink mode (a Buffer made with enable_shrink: the kernels' EPJIT_LL_SHRINK build, docs/reliability.md): the mask,
-int32 [R] in the sync words' device memory, names the ranks neither sent to nor waited for; a kernel wait that times
-out on a peer masks it, leaves the record of that wait in ``mask_records`` (mapped host memory, WaitRecord [R]) and
-raises status bit STATUS_RANK_MASKED, which the host turns into a warning and a report (``mask_reports``) instead of
-an error.
+Shrink mode (a Buffer made with enable_shrink: the kernels' EPJIT_LL_SHRINK build, docs/reliability.md; its mask
+and reports: epjit.ops.shrink): a kernel wait that times out on a peer masks it and raises status bit
+STATUS_RANK_MASKED, which the host turns into a warning and a report instead of an error.
 """
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,7 +33,6 @@ from ..errors import ArgumentError, EpjitError, with_rank
 from ..kernels.low_latency import (
     LOW_LATENCY_THREADS,
     SHRINK_BUILDS,
-    SHRINK_BYTES,
     SYNC_BYTES,
     TIMELINE_POINTS,
     LowLatencyPutsSpec,
@@ -45,11 +41,11 @@ from ..kernels.low_latency import (
     clean_words_offset,
     dispatch_shared_bytes,
     low_latency_size_hint,
-    shrink_offset,
 )
-from ..memory import WAIT_RECORD_BYTES, IpcHeap, MappedHostArray, PeerMemory, SymmetricHeap, WaitRecord
+from ..memory import IpcHeap, MappedHostArray, PeerMemory, SymmetricHeap
 from .loader import load
 from .profile import Profile
+from .shrink import ShrinkMask, sync_ints
 from .streams import Event, Outputs, Streams, caller_stream
 
 # Protocol constants of cuda_src/low_latency.cu (tests/test_low_latency_layout.py holds them against it).
@@ -256,56 +252,6 @@ class CombinePlan:
     args: jit.KernelArgs
 
 
-log = logging.getLogger("epjit.low_latency")
-
-
-def sync_ints(num_experts: int, num_ranks: int, shrink: bool) -> int:
-    """int32 words of a Buffer's LowLatencySync allocation: the struct and expert_sent, and in shrink mode
-    LowLatencyShrink and the mask after them (cuda_src/low_latency.cuh)."""
-    if not shrink:
-        return SYNC_BYTES // 4 + num_experts
-    return (shrink_offset(num_experts) + SHRINK_BYTES) // 4 + num_ranks
-
-
-class ShrinkMask:
-    """Shrink mode's mask and what the kernels report through it: the mask (an int32 [R] view of the sync words,
-    zero at creation), the records of the waits that masked a rank (mapped host memory), and the reports the host
-    made of them (each a WaitRecord's fields, read once)."""
-
-    def __init__(self, sync: Any, num_experts: int, num_ranks: int, timeout_s: float) -> None:
-        start = shrink_offset(num_experts) // 4
-        self.num_ranks = num_ranks
-        self.records = MappedHostArray(WAIT_RECORD_BYTES * num_ranks)
-        self.mask = sync[start + SHRINK_BYTES // 4:start + SHRINK_BYTES // 4 + num_ranks]
-        # LowLatencyShrink {arrived, generation, records, timeout_ns}: the host writes the last two, once.
-        words = np.array([self.records.device_ptr, int(timeout_s * 1e9)], dtype=np.uint64).view(np.int32)
-        sync[start + 2:start + 6].set(words)
-        self.reports: list[dict[str, Any]] = []
-        self.reported: set[int] = set()
-        self.cleans = 0  # clean_low_latency_buffer calls: the clean barrier's rounds are 2 cleans + 1 and + 2
-
-    def close(self) -> None:
-        self.records.close()
-
-    def collect(self) -> None:
-        """Report (a warning each, and in ``reports``) every rank a kernel wait masked since the last look."""
-        for peer, part in enumerate(self.records.parts(WAIT_RECORD_BYTES)):
-            if peer in self.reported or part.ints[0] == 0:
-                continue
-            rec = WaitRecord.decode(part.bytes)
-            self.reported.add(peer)
-            self.reports.append(rec)
-            log.warning(with_rank(
-                f"rank {rec['rank']} masked rank {peer}: it did not answer within {rec['elapsed_ns'] / 1e9:.1f} s "
-                f"in {rec['site']} (expected {rec['expected']}, last saw {rec['observed']}); the low-latency "
-                "calls go on without it (EPJIT_SHRINK_TIMEOUT_S sets the limit)"))
-
-    def forget(self) -> None:
-        """After the mask was cleared (no kernel runs): the records and reports start again."""
-        self.records.bytes[:] = 0
-        self.reported.clear()
-
-
 class LowLatency:
     """A low-latency Buffer's kernels, device words, status words and the bookkeeping of its two buffer sets."""
 
@@ -326,7 +272,8 @@ class LowLatency:
         with cupy.cuda.Device(device):
             # LowLatencySync + expert_sent (+ shrink mode's words and mask)
             self.sync = cupy.zeros(sync_ints(num_experts, self.num_ranks, shrink), dtype=cupy.int32)
-            self.shrink = ShrinkMask(self.sync, num_experts, self.num_ranks, shrink_timeout_s) if shrink else None
+            self.shrink = ShrinkMask(self.sync, num_experts, self.num_ranks, shrink_timeout_s, mem, streams,
+                                     device) if shrink else None
         self.host_status = MappedHostArray(64)  # see the module docstring
         self.status_seen = np.zeros(1 + STATUS_BIT_COUNT, dtype=np.int32)
         self.next_set = 0
@@ -606,43 +553,8 @@ class LowLatency:
         self._forget()
         shrink.collect()
 
-    def update_mask(self, rank: int, mask: bool) -> None:
-        """Mask (or unmask) ``rank``, on the communication stream: every later low-latency call sees it."""
-        cupy, shrink = _cupy(), self.shrink
-        assert shrink is not None
-        with cupy.cuda.Device(self.device), self.streams.comm:
-            shrink.mask[rank] = 1 if mask else 0
-
-    def query_mask(self, out_address: int, framework: str) -> None:
-        """The mask into the int32 [R] array at ``out_address``, ordered after this Buffer's calls and before the
-        caller's later work on its stream."""
-        cupy, shrink = _cupy(), self.shrink
-        assert shrink is not None
-        caller = caller_stream(framework, self.device)
-        self.streams.begin(caller)
-        with cupy.cuda.Device(self.device):
-            cupy.cuda.runtime.memcpyAsync(out_address, int(shrink.mask.data.ptr), 4 * self.num_ranks,
-                                          cupy.cuda.runtime.memcpyDeviceToDevice, self.streams.comm_ptr)
-        self.streams.finish(caller, False)
-
-    def clean_mask(self) -> None:
-        """Unmask every rank; the records and reports of earlier masks are forgotten (waits for this Buffer's
-        work)."""
-        cupy, shrink = _cupy(), self.shrink
-        assert shrink is not None
-        with cupy.cuda.Device(self.device), self.streams.comm:
-            shrink.mask.fill(0)
-        self.mem.synchronize(self.streams.comm)
-        shrink.forget()
-
-    def mask_reports(self) -> list[dict[str, Any]]:
-        """What the waits that masked a rank recorded, oldest first (reads what kernels left since the last look)."""
-        assert self.shrink is not None
-        self.shrink.collect()
-        return list(self.shrink.reports)
-
 
 __all__ = ["FLAG_FP8", "FLAG_ROUND_SCALE", "FLAG_UE8M0", "MAX_BLOCKS", "PHASE_RECV", "PHASE_SEND",
            "STATUS_BIT_COUNT", "STATUS_INVALID_IDS", "STATUS_LAYOUT_TOO_BIG", "STATUS_META_MISMATCH",
            "STATUS_RANK_MASKED", "STATUS_SLOT_OVERFLOW", "LowLatency", "LowLatencyCombineResult",
-           "LowLatencyDispatchResult", "LowLatencyHandle", "ShrinkMask", "needs_puts"]
+           "LowLatencyDispatchResult", "LowLatencyHandle", "needs_puts"]
