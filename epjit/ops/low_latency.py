@@ -255,6 +255,8 @@ class CombinePlan:
 class LowLatency:
     """A low-latency Buffer's kernels, device words, status words and the bookkeeping of its two buffer sets."""
 
+    shrink: ShrinkMask | None = None  # shrink mode's mask and reports (set in __init__ where it is on)
+
     def __init__(self, mem: PeerMemory, streams: Streams, outputs: Outputs, profile: Profile, device: int,
                  num_max_tokens: int, hidden: int, num_experts: int, force_puts: bool, num_sms: int,
                  shrink_timeout_s: float | None = None) -> None:
