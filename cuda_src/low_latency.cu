@@ -58,6 +58,13 @@ constexpr int kLowLatencyWarps = kLowLatencyThreads / 32;
 constexpr int kPhaseSend = 1;
 constexpr int kPhaseRecv = 2;
 
+// The EPJIT_LL_SHRINK build (shrink mode, below).
+#if defined(EPJIT_LL_SHRINK)
+constexpr bool kShrink = true;
+#else
+constexpr bool kShrink = false;
+#endif
+
 // Call flags (epjit/ops/low_latency.py mirrors them).
 constexpr int kFlagFp8 = 1;
 constexpr int kFlagRoundScale = 2;
@@ -69,6 +76,7 @@ constexpr int kLowLatencyInvalidIds = 1;    // topk_idx entries outside [-1, num
 constexpr int kLowLatencySlotOverflow = 2;  // > M top-k slots of one rank name one expert (repeats): dropped
 constexpr int kLowLatencyMetaMismatch = 4;  // a message with another hidden size or FP8 setting arrived
 constexpr int kLowLatencyLayoutTooBig = 8;  // the two sets do not fit the heap (host and header disagree): no-op
+constexpr int kLowLatencyRankMasked = 16;   // shrink mode: a wait on a peer timed out and masked it (its record)
 constexpr int kCallBlockBits = 16;          // the call word's low bits count finished blocks (grids < 65536)
 
 __device__ __forceinline__ void report_status(int32_t* call_word, int status) {
@@ -79,13 +87,83 @@ __device__ __forceinline__ void report_status(int32_t* call_word, int status) {
 // word 0 counts the reports, released after the counts. The host keeps the last word 0 it read and raises what the
 // counts gained since, so a report landing while the host reads an earlier one is seen at the next check instead
 // of being lost to a host write (the host never writes the words while a kernel may run).
-constexpr int kStatusBitCount = 4;
-static_assert(kLowLatencyLayoutTooBig == 1 << (kStatusBitCount - 1), "publish_status counts every status bit");
+// The host reads five counts; the builds without shrink mode never raise the last bit, and leave its count alone.
+constexpr int kStatusBitCount = 5;
+constexpr int kStatusBitsRaised = kShrink ? kStatusBitCount : kStatusBitCount - 1;
+static_assert(kLowLatencyRankMasked == 1 << (kStatusBitCount - 1), "publish_status counts every status bit");
 
 __device__ __forceinline__ void publish_status(int* host_status, int status) {
-    for (int b = 0; b < kStatusBitCount; ++b)
+    for (int b = 0; b < kStatusBitsRaised; ++b)
         if (status & (1 << b)) host_status[1 + b] = ptx::ld_volatile_s32(host_status + 1 + b) + 1;
     ptx::st_release_sys_s32(host_status, ptx::ld_volatile_s32(host_status) + 1);
+}
+
+// ---------------------------------------------------------------------------------------------- shrink mode
+
+// The EPJIT_LL_SHRINK build (kShrink; a Buffer made with enable_shrink, docs/reliability.md): a masked rank is neither sent
+// to nor waited for, and a wait on a peer that times out masks the peer instead of trapping. Every use below is an
+// `if constexpr (kShrink)` or a helper that is a constant in the other builds (masked() is false, wait_peer is
+// timeout_while), so the builds without it compile to the code they had: the choice costs them nothing.
+// A kernel's view of the mask (null pointers outside the shrink build; nothing there reads them).
+struct Shrink {
+    LowLatencyShrink* state;
+    int32_t* mask;
+    int32_t* call_word;  // where a wait that masks a peer reports kLowLatencyRankMasked (nullptr: nowhere)
+};
+
+__device__ __forceinline__ Shrink shrink_of(LowLatencySync* sync, int num_experts, int32_t* call_word) {
+    if constexpr (!kShrink) return {nullptr, nullptr, nullptr};
+    LowLatencyShrink* state = shrink_state(sync, num_experts);
+    return {state, reinterpret_cast<int32_t*>(state + 1), call_word};
+}
+
+// Whether rank `pe` is masked now (a volatile load: the host's update and other blocks' waits write it).
+__device__ __forceinline__ bool masked(const Shrink& s, int pe) {
+    if constexpr (!kShrink) return false;
+    return ptx::ld_volatile_s32(s.mask + pe) != 0;
+}
+
+// A wait on peer site.peer: timeout_while (a timeout traps), or in the shrink build one that gives the peer up
+// (timeout_while_unmasked). True when the condition held; false when the peer is masked (go on without it).
+template <typename KeepWaiting>
+__device__ __forceinline__ bool wait_peer(const PeersTable* peers, const Shrink& s, const WaitSite& site,
+                                          KeepWaiting&& keep_waiting) {
+    if constexpr (kShrink) {
+        bool masked_now = false;
+        const bool arrived = timeout_while_unmasked(
+            peers, PeerMask{s.mask, s.state->records, s.state->timeout_ns}, site, masked_now, keep_waiting);
+        if (masked_now && s.call_word != nullptr) report_status(s.call_word, kLowLatencyRankMasked);
+        return arrived;
+    } else {
+        timeout_while(peers, site, keep_waiting);
+        return true;
+    }
+}
+
+// Shrink build: every block of the grid past this point before any goes on, so every block reads one mask after
+// it: a peer is masked only inside a wait, and every wait of the grid is behind. (The blocks are co-resident: one
+// an SM, at most one an SM.) Sense by generation: a block reads it before it arrives; the last one to arrive resets
+// the count and advances it.
+__device__ __forceinline__ void grid_sync(const PeersTable* peers, const Shrink& s) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        LowLatencyShrink* state = s.state;
+        const int generation = ptx::ld_acquire_gpu_s32(&state->generation);
+        ptx::fence_acq_rel_gpu();  // the block's mask stores (ordered here by the bar.sync) before its arrival
+        if (ptx::atom_add_acq_rel_gpu_s32(&state->arrived, 1) == static_cast<int>(gridDim.x) - 1) {
+            state->arrived = 0;
+            ptx::red_add_release_gpu_s32(&state->generation, 1);
+        } else {
+            timeout_while(peers, WaitSite{"ll shrink: every block of the grid past its waits", -1, -1,
+                                          generation + 1},
+                          [&](int64_t& seen) {
+                              seen = ptx::ld_acquire_gpu_s32(&state->generation);
+                              return seen == generation;
+                          });
+        }
+        ptx::fence_acq_rel_gpu();
+    }
+    __syncthreads();
 }
 
 // EPJIT_PROFILE (timeline.cuh): the points a low-latency kernel stamps (epjit/kernels/low_latency.py mirrors them).
@@ -129,6 +207,11 @@ __device__ __forceinline__ bool carries(const FlaggedPair& p, int flag) {
     return p.lo.y == flag && p.lo.w == flag && p.hi.y == flag && p.hi.w == flag;
 }
 
+// The first flag word of a pair that is not `flag` (what a timed-out wait reports).
+__device__ __forceinline__ int64_t stale_flag(const FlaggedPair& seen, int flag) {
+    return seen.lo.y != flag ? seen.lo.y : seen.lo.w != flag ? seen.lo.w : seen.hi.y != flag ? seen.hi.y : seen.hi.w;
+}
+
 // Polls the flagged pair at src until it carries `flag` (out of line: the waits are rare, and inlined at every
 // load of a batch they cost the hot path its registers).
 __device__ __noinline__ FlaggedPair wait_flagged(const PeersTable* peers, const int4* src, int flag, const char* what,
@@ -136,18 +219,36 @@ __device__ __noinline__ FlaggedPair wait_flagged(const PeersTable* peers, const 
     FlaggedPair seen;
     timeout_while(peers, WaitSite{what, peer, -1, flag}, [&](int64_t& observed) {
         seen = ld_flagged(src);
-        observed = seen.lo.y != flag ? seen.lo.y : seen.lo.w != flag ? seen.lo.w : seen.hi.y != flag ? seen.hi.y
-                                                                                                   : seen.hi.w;
+        observed = stale_flag(seen, flag);
         return !carries(seen, flag);
     });
     return seen;
 }
 
+// The shrink build's wait_flagged: a pair from a peer that is (or gets) masked reads as zeros (a header of no
+// entries, so the message is skipped; a payload's rows are of a masked source, which the caller disregards).
+__device__ __noinline__ FlaggedPair wait_flagged_unmasked(const PeersTable* peers, Shrink s, const int4* src,
+                                                          int flag, const char* what, int peer) {
+    FlaggedPair seen;
+    const bool arrived = wait_peer(peers, s, WaitSite{what, peer, -1, flag}, [&](int64_t& observed) {
+        seen = ld_flagged(src);
+        observed = stale_flag(seen, flag);
+        return !carries(seen, flag);
+    });
+    if (!arrived) seen.lo = seen.hi = make_int4(0, 0, 0, 0);
+    return seen;
+}
+
 // The data int4 of the flagged pair at src: `seen` is what a batch of loads in flight together found there; only
 // a pair that has not all landed yet is polled again.
-__device__ __forceinline__ int4 flagged_data(const PeersTable* peers, const int4* src, FlaggedPair seen, int flag,
-                                             const char* what, int peer) {
-    if (!carries(seen, flag)) seen = wait_flagged(peers, src, flag, what, peer);
+__device__ __forceinline__ int4 flagged_data(const PeersTable* peers, const Shrink& s, const int4* src,
+                                             FlaggedPair seen, int flag, const char* what, int peer) {
+    if (!carries(seen, flag)) {
+        if constexpr (kShrink)
+            seen = wait_flagged_unmasked(peers, s, src, flag, what, peer);
+        else
+            seen = wait_flagged(peers, src, flag, what, peer);
+    }
     return make_int4(seen.lo.x, seen.lo.z, seen.hi.x, seen.hi.z);
 }
 
@@ -164,7 +265,7 @@ __device__ __forceinline__ int warps_per_pair(int num_pairs) {
 // warp, lane i to ranks i, i + 32, ...: the peers' addresses load together, and with `fence` before a single
 // system-scope fence (a load behind it would wait for it, then take a round trip of its own).
 __device__ __forceinline__ void send_acks(const PeersTable* peers, const LowLatencyLayout& lay, int epoch,
-                                          int force_puts, bool fence, int lane) {
+                                          int force_puts, bool fence, const Shrink& s, int lane) {
     uint64_t* word = lay.acks + peers->rank;
     const uint64_t ack = epoch_signal(epoch, 0u);
     for (int base = 0; base < peers->num_ranks; base += 32) {
@@ -174,6 +275,7 @@ __device__ __forceinline__ void send_acks(const PeersTable* peers, const LowLate
             __syncwarp();
             ptx::fence_acq_rel_sys();
         }
+        if (pe < peers->num_ranks && masked(s, pe)) continue;  // (after the warp's fence: every lane reaches it)
         if (remote != nullptr)
             ptx::st_relaxed_sys_u64(remote, ack);
         else if (pe < peers->num_ranks)
@@ -191,7 +293,8 @@ __device__ __forceinline__ void send_acks(const PeersTable* peers, const LowLate
 //    thing, so a combine replayed alone would wait for its predecessor's deferred acks to be sent and to land.
 __device__ __forceinline__ void finish_call(const PeersTable* peers, const LowLatencyLayout& lay,
                                             LowLatencySync* sync, int set, bool receive_half, bool defer_acks,
-                                            int epoch, int force_puts, int* host_status, uint64_t* timeline) {
+                                            int epoch, int force_puts, const Shrink& s, int* host_status,
+                                            uint64_t* timeline) {
     __syncthreads();
     timeline_mark(timeline, kAtEnd);
     if (threadIdx.x >= 32) return;  // warp 0: thread 0 counts the block, the warp acks
@@ -200,7 +303,7 @@ __device__ __forceinline__ void finish_call(const PeersTable* peers, const LowLa
     if (lane == 0) word = ptx::atom_add_acq_rel_gpu_s32(&sync->call[set], 1);
     word = __shfl_sync(0xffffffffu, word, 0);
     if ((word & ((1 << kCallBlockBits) - 1)) != static_cast<int>(gridDim.x) - 1) return;
-    if (receive_half && !defer_acks) send_acks(peers, lay, epoch, force_puts, true, lane);
+    if (receive_half && !defer_acks) send_acks(peers, lay, epoch, force_puts, true, s, lane);
     if (lane != 0) return;
     sync->call[set] = 0;
     if (receive_half) {
@@ -215,7 +318,7 @@ __device__ __forceinline__ void finish_call(const PeersTable* peers, const LowLa
 // block at the start of the next low-latency kernel on this stream. That kernel runs before any peer can need
 // them: a peer's next call on the set follows its call in between, whose receive needs this rank's send of it.
 __device__ __forceinline__ void send_deferred_acks(const PeersTable* peers, LowLatencySync* sync, int num_experts,
-                                                   int max_tokens, int hidden, int force_puts) {
+                                                   int max_tokens, int hidden, int force_puts, const Shrink& s) {
     if (blockIdx.x != gridDim.x - 1 || static_cast<int>(threadIdx.x) / 32 != kLowLatencyWarps - 1) return;
     const int lane = static_cast<int>(threadIdx.x) % 32;
     const uint64_t unacked = *reinterpret_cast<volatile uint64_t*>(sync->unacked);  // both sets, one load
@@ -224,16 +327,16 @@ __device__ __forceinline__ void send_deferred_acks(const PeersTable* peers, LowL
         if (epoch == 0) continue;
         if (lane == 0) sync->unacked[set] = 0;
         send_acks(peers, LowLatencyLayout(peers->sym_base, set, peers->num_ranks, num_experts, max_tokens, hidden),
-                  epoch, force_puts, false, lane);
+                  epoch, force_puts, false, s, lane);
     }
 }
 
 // Before a send half writes into any rank's copy of the set: every rank has read the set's previous call.
 __device__ __forceinline__ void wait_for_acks(const PeersTable* peers, const LowLatencyLayout& lay, int epoch,
-                                              const char* site) {
+                                              const char* site, const Shrink& s) {
     for (int pe = static_cast<int>(threadIdx.x); pe < peers->num_ranks; pe += static_cast<int>(blockDim.x)) {
         const uint64_t* word = lay.acks + pe;
-        timeout_while(peers, WaitSite{site, pe, -1, epoch - 1}, [&](int64_t& seen) {
+        wait_peer(peers, s, WaitSite{site, pe, -1, epoch - 1}, [&](int64_t& seen) {
             seen = signal_epoch(ptx::ld_acquire_sys_u64(word));
             return seen < epoch - 1;
         });
@@ -349,10 +452,10 @@ __device__ __forceinline__ void send_to_rank(const PeersTable* peers, const LowL
                                             const int* topk_experts, const int* slots, const int4* payload,
                                             int payload_int4, int t, int w, int num_topk, int num_local,
                                             int max_tokens, int meta, int epoch, int force_puts,
-                                            int32_t* call_word, int lane) {
+                                            int32_t* call_word, const Shrink& s, int lane) {
     const int* experts = topk_experts + t * num_topk;
     const int dst = nth_rank(experts, num_topk, num_local, w, lane);
-    if (dst < 0) return;
+    if (dst < 0 || masked(s, dst)) return;
     const MessageEntries e = message_entries(experts, slots, dst, num_topk, num_local, max_tokens, call_word, lane);
     if (e.entries == 0) return;
     int4* mine = lay.dispatch_slot(peers->rank, t);
@@ -411,10 +514,10 @@ __device__ __forceinline__ void send_flagged(const PeersTable* peers, const LowL
                                              const int* topk_experts, const uint32_t* token_masks, const int* slots,
                                              const int4* payload, int payload_int4, int t, int w, int num_topk,
                                              int num_local, int max_tokens, int meta, int epoch, int32_t* call_word,
-                                             int4* header, int lane) {
+                                             int4* header, const Shrink& s, int lane) {
     const int* experts = topk_experts + t * num_topk;
     const int dst = nth_rank(experts, num_topk, num_local, w, lane);
-    if (dst < 0) return;
+    if (dst < 0 || masked(s, dst)) return;
     const MessageEntries e = message_entries(experts, slots, dst, num_topk, num_local, max_tokens, call_word, lane);
     if (lane == 0) header[0] = make_int4(t, meta, __popc(e.entries), epoch);  // the warp's shared scratch
     write_entries(header, e, num_local, lane);
@@ -431,7 +534,7 @@ __device__ __forceinline__ void send_flagged(const PeersTable* peers, const LowL
 __device__ __forceinline__ void send_count(const PeersTable* peers, const LowLatencyLayout& lay,
                                            const int* topk_experts, int num_slots, int expert, int num_local,
                                            int max_tokens, int epoch, int force_puts, int32_t* expert_sent,
-                                           bool signal_path, int lane) {
+                                           bool signal_path, const Shrink& s, int lane) {
     int named = 0;  // (token, k) naming the expert; the slots hold max_tokens of them at most
     for (int j = lane; j < num_slots; j += 32) named += topk_experts[j] == expert;
     named = warp_sum(named);
@@ -445,6 +548,7 @@ __device__ __forceinline__ void send_count(const PeersTable* peers, const LowLat
         expert_sent[expert] = 0;  // every message of this call is counted; the next call starts at 0
     }
     const int dst = expert / num_local;
+    if (masked(s, dst)) return;
     uint64_t* word = lay.counts + static_cast<int64_t>(expert % num_local) * lay.num_ranks + peers->rank;
     const uint64_t signal = epoch_signal(epoch, static_cast<uint32_t>(-(min(named, max_tokens) + 1)));
     uint64_t* remote = force_puts ? nullptr : on_peer(peers, word, dst);
@@ -458,7 +562,8 @@ __device__ __forceinline__ void send_count(const PeersTable* peers, const LowLat
 
 // This call's format word at rank dst (relaxed: on either path it proves nothing about data).
 __device__ __forceinline__ void send_format(const PeersTable* peers, const LowLatencyLayout& lay, int dst,
-                                            uint32_t format, int epoch, int force_puts) {
+                                            uint32_t format, int epoch, int force_puts, const Shrink& s) {
+    if (masked(s, dst)) return;
     uint64_t* word = lay.formats + peers->rank;
     const uint64_t signal = epoch_signal(epoch, format);
     uint64_t* remote = force_puts ? nullptr : on_peer(peers, word, dst);
@@ -475,7 +580,8 @@ __device__ __forceinline__ void send_flagged_tokens(const PeersTable* peers, con
                                                     const int4* x, const int* topk_experts, int4* staged,
                                                     int num_tokens, int num_topk, int hidden, int num_experts,
                                                     int max_tokens, int flags, uint32_t format, int epoch,
-                                                    int32_t* call_word, uint64_t* timeline, int warp, int lane) {
+                                                    int32_t* call_word, const Shrink& s, uint64_t* timeline, int warp,
+                                                    int lane) {
     __shared__ uint32_t token_masks[kFlaggedTokens];
     __shared__ int token_slots[kLowLatencyMaxTopk];
     __shared__ int4 headers[kLowLatencyMaxTopk][kLowLatencyHeaderInt4];
@@ -493,12 +599,13 @@ __device__ __forceinline__ void send_flagged_tokens(const PeersTable* peers, con
             if (lane == 0) token_slots[warp] = slot;
         }
     }
-    wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)");
+    wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)", s);
     timeline_mark(timeline, kAtAcks);
     if (warp < kLowLatencyMaxTopk) {
         if (t < num_tokens && warp < num_topk)
             send_flagged(peers, lay, topk_experts, token_masks, token_slots, staged, payload_int4, t, warp, num_topk,
-                         num_local, max_tokens, message_meta(hidden, flags), epoch, call_word, headers[warp], lane);
+                         num_local, max_tokens, message_meta(hidden, flags), epoch, call_word, headers[warp], s,
+                         lane);
         return;
     }
     constexpr int kCountWarps = kLowLatencyWarps - kLowLatencyMaxTopk;
@@ -506,11 +613,11 @@ __device__ __forceinline__ void send_flagged_tokens(const PeersTable* peers, con
          j < num_experts + num_ranks; j += kCountWarps * static_cast<int>(gridDim.x)) {
         if (j < num_experts) {
             send_count(peers, lay, topk_experts, num_tokens * num_topk, j, num_local, max_tokens, epoch, 0, nullptr,
-                       false, lane);
+                       false, s, lane);
         } else {
             const int dst = j - num_experts;
             const int messages = messages_before(token_masks, num_tokens, dst, lane);
-            if (lane == 0) send_format(peers, lay, dst, format | static_cast<uint32_t>(messages), epoch, 0);
+            if (lane == 0) send_format(peers, lay, dst, format | static_cast<uint32_t>(messages), epoch, 0, s);
         }
     }
 }
@@ -521,8 +628,8 @@ __device__ __forceinline__ void send_signalled_tokens(const PeersTable* peers, c
                                                       const int4* x, const int* topk_experts, int4* staged,
                                                       int num_tokens, int num_topk, int hidden, int num_experts,
                                                       int max_tokens, int flags, int epoch, int force_puts,
-                                                      int32_t* expert_sent, int32_t* call_word, uint64_t* timeline,
-                                                      int warp, int lane) {
+                                                      int32_t* expert_sent, int32_t* call_word, const Shrink& s,
+                                                      uint64_t* timeline, int warp, int lane) {
     const int num_ranks = lay.num_ranks, num_local = num_experts / num_ranks, x_int4 = hidden / 8;
     const bool fp8 = flags & kFlagFp8, puts = needs_puts(peers, force_puts);
     const int payload_int4 = fp8 ? (hidden + hidden / kFp8BlockChannels * 4 + 15) / 16 : x_int4;
@@ -544,7 +651,7 @@ __device__ __forceinline__ void send_signalled_tokens(const PeersTable* peers, c
             if (lane == 0) token_slots[i_token & 1][slot_k] = slot;
         }
         if (i_token == 0) {
-            wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)");
+            wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)", s);
             timeline_mark(timeline, kAtAcks);
         }
         const int4* payload = staged + (i_token & 1) * x_int4;
@@ -558,10 +665,10 @@ __device__ __forceinline__ void send_signalled_tokens(const PeersTable* peers, c
         }
         if (warp < num_topk)
             send_to_rank(peers, lay, topk_experts, token_slots[i_token & 1], payload, payload_int4, t, warp,
-                         num_topk, num_local, max_tokens, meta, epoch, force_puts, call_word, lane);
+                         num_topk, num_local, max_tokens, meta, epoch, force_puts, call_word, s, lane);
     }
     if (i_token == 0) {  // a block without tokens still writes counts into the peers' set
-        wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)");
+        wait_for_acks(peers, lay, epoch, "ll_dispatch: peer read this buffer set's previous call (ack)", s);
         timeline_mark(timeline, kAtAcks);
     }
     // Each sending warp releases its messages once, after its last token: every lane's stores (a put path
@@ -589,9 +696,9 @@ __device__ __forceinline__ void send_signalled_tokens(const PeersTable* peers, c
          j += kLowLatencyWarps * static_cast<int>(gridDim.x)) {
         if (j < num_experts)
             send_count(peers, lay, topk_experts, num_slots, j, num_local, max_tokens, epoch, force_puts, expert_sent,
-                       true, lane);
+                       true, s, lane);
         else if (lane == 0)
-            send_format(peers, lay, j - num_experts, 0u, epoch, force_puts);
+            send_format(peers, lay, j - num_experts, 0u, epoch, force_puts, s);
     }
 }
 
@@ -732,14 +839,15 @@ __device__ __forceinline__ void receive_flagged(const PeersTable* peers, const i
                                                 int4* recv_x, void* recv_scales, int* recv_src_info,
                                                 int* recv_topk_slot, const int* pair_begin, int32_t* call_word,
                                                 int num_local, int num_ranks, int max_tokens, int meta,
-                                                int payload_int4, int data_int4, int num_scales, bool ue8m0) {
+                                                int payload_int4, int data_int4, int num_scales, bool ue8m0,
+                                                const Shrink& s) {
     __shared__ int64_t rows[kLowLatencyMaxTopk];
     __shared__ int num_rows;
     if (threadIdx.x < 32) {
         const int lane = static_cast<int>(threadIdx.x);
         int4 head = make_int4(0, 0, 0, 0);
         if (lane < kLowLatencyHeaderInt4)
-            head = flagged_data(peers, msg + 2 * lane, ld_flagged(msg + 2 * lane), epoch,
+            head = flagged_data(peers, s, msg + 2 * lane, ld_flagged(msg + 2 * lane), epoch,
                                 "ll_dispatch: flagged message header from peer", src);
         int64_t row = 0;
         const int n = message_rows(head, src, true, row, recv_src_info, recv_topk_slot, pair_begin, call_word,
@@ -753,13 +861,13 @@ __device__ __forceinline__ void receive_flagged(const PeersTable* peers, const i
     const bool vector_scales = num_scales % 4 == 0;
     const int loaded = n == 0 ? 0 : vector_scales ? payload_int4 : data_int4;
     for (int i = static_cast<int>(threadIdx.x); i < loaded; i += kLowLatencyThreads) {
-        const int4 v = flagged_data(peers, payload + 2 * i, ld_flagged(payload + 2 * i), epoch,
+        const int4 v = flagged_data(peers, s, payload + 2 * i, ld_flagged(payload + 2 * i), epoch,
                                     "ll_dispatch: flagged message from peer", src);
         for (int r = 0; r < n; ++r) store_payload(v, i, rows[r], data_int4, recv_x, recv_scales, num_scales, ue8m0);
     }
     for (int c = static_cast<int>(threadIdx.x); n > 0 && !vector_scales && c < num_scales; c += kLowLatencyThreads) {
         const int i = data_int4 + c / 4;  // scale c is word c % 4 of that int4
-        const int4 w = flagged_data(peers, payload + 2 * i, ld_flagged(payload + 2 * i), epoch,
+        const int4 w = flagged_data(peers, s, payload + 2 * i, ld_flagged(payload + 2 * i), epoch,
                                     "ll_dispatch: flagged message from peer", src);
         const float scale = __int_as_float(c % 4 == 0 ? w.x : c % 4 == 1 ? w.y : c % 4 == 2 ? w.z : w.w);
         for (int r = 0; r < n; ++r) store_scale(scale, c, rows[r], recv_scales, num_scales, ue8m0);
@@ -795,8 +903,9 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
     int* slots_begin = flagged_begin + num_ranks + 1;  // [R + 1]: the same for signal-path message slots
     int32_t* expert_sent = expert_sent_counters(sync);
     int32_t* call_word = &sync->call[set];
+    const Shrink s = shrink_of(sync, num_experts, call_word);
     if (!layout_fits(peers, lay, call_word)) phases = 0;
-    if (phases != 0) send_deferred_acks(peers, sync, num_experts, max_tokens, hidden, force_puts);
+    if (phases != 0) send_deferred_acks(peers, sync, num_experts, max_tokens, hidden, force_puts, s);
     timeline_start(timeline, kAtStart);
 
     if (phases & kPhaseSend) {
@@ -812,10 +921,10 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
         const uint32_t format = call_format(num_tokens, num_topk, num_ranks, needs_puts(peers, force_puts));
         if (format & kFormatFlaggedDispatch)
             send_flagged_tokens(peers, lay, x, topk_experts, staged, num_tokens, num_topk, hidden, num_experts,
-                                max_tokens, flags, format, epoch, call_word, timeline, warp, lane);
+                                max_tokens, flags, format, epoch, call_word, s, timeline, warp, lane);
         else
             send_signalled_tokens(peers, lay, x, topk_experts, staged, num_tokens, num_topk, hidden, num_experts,
-                                  max_tokens, flags, epoch, force_puts, expert_sent, call_word, timeline, warp,
+                                  max_tokens, flags, epoch, force_puts, expert_sent, call_word, s, timeline, warp,
                                   lane);
         timeline_mark(timeline, kAtCounted);
     }
@@ -832,19 +941,34 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
             const int src = is_count ? j % num_ranks : j - num_pairs;
             const uint64_t* word = is_count ? lay.counts + j : lay.formats + src;
             uint64_t seen_word = 0;
-            timeout_while(peers, WaitSite{is_count ? "ll_dispatch: count of local expert (channel) from peer"
-                                                   : "ll_dispatch: format word from peer",
-                                          src, is_count ? j / num_ranks : -1, epoch},
-                          [&](int64_t& seen) {
-                              seen_word = ptx::ld_acquire_sys_u64(word);
-                              seen = signal_epoch(seen_word);
-                              return seen != epoch;
-                          });
+            wait_peer(peers, s, WaitSite{is_count ? "ll_dispatch: count of local expert (channel) from peer"
+                                                  : "ll_dispatch: format word from peer",
+                                         src, is_count ? j / num_ranks : -1, epoch},
+                      [&](int64_t& seen) {
+                          seen_word = ptx::ld_acquire_sys_u64(word);
+                          seen = signal_epoch(seen_word);
+                          return seen != epoch;
+                      });
             const int value = static_cast<int>(static_cast<uint32_t>(seen_word));
             if (is_count)
                 pair_count[j] = -value - 1;
             else
                 src_format[src] = value;
+        }
+        if constexpr (kShrink) {
+            // Nothing from a masked source, by one mask for the whole grid (grid_sync): no count (its rows would
+            // move every later source's), and a format of no flagged messages and no message slots, whatever
+            // arrived from it (a source may be masked after some of its words landed).
+            grid_sync(peers, s);
+            for (int j = static_cast<int>(threadIdx.x); j < num_pairs + num_ranks; j += kLowLatencyThreads) {
+                const bool is_count = j < num_pairs;
+                const int src = is_count ? j % num_ranks : j - num_pairs;
+                if (!masked(s, src)) continue;
+                if (is_count)
+                    pair_count[j] = 0;
+                else
+                    src_format[src] = static_cast<int>(kFormatFlaggedDispatch);
+            }
         }
         __syncthreads();
         for (int e = static_cast<int>(threadIdx.x); e < num_local; e += kLowLatencyThreads) {
@@ -879,7 +1003,7 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
             const int src = last_at_or_before(flagged_begin, num_ranks, m);
             receive_flagged(peers, lay.flagged_msg(src, m - flagged_begin[src]), src, epoch, recv_x, recv_scales,
                             recv_src_info, recv_topk_slot, pair_begin, call_word, num_local, num_ranks, max_tokens,
-                            meta, payload_int4, data_int4, fp8 ? num_scales : 0, ue8m0);
+                            meta, payload_int4, data_int4, fp8 ? num_scales : 0, ue8m0, s);
         }
         // A warp a signal-path message slot, consecutive slots in different blocks (what an SM copies does not grow
         // with its warps, so the messages spread over the SMs): the header says whether this call wrote it (its
@@ -901,7 +1025,8 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
         }
         timeline_mark(timeline, kAtReceived);
     }
-    finish_call(peers, lay, sync, set, (phases & kPhaseRecv) != 0, true, epoch, force_puts, host_status, timeline);
+    finish_call(peers, lay, sync, set, (phases & kPhaseRecv) != 0, true, epoch, force_puts, s, host_status,
+                timeline);
 }
 
 // ------------------------------------------------------------------------------------------ LogFMT-10 (combine)
@@ -1032,12 +1157,13 @@ __device__ __forceinline__ void combine(const PeersTable* peers, const int4* y, 
     const LowLatencyLayout lay(peers->sym_base, set, num_ranks, num_experts, max_tokens, hidden);
     const int row_int4 = hidden / 8;
     int32_t* call_word = &sync->call[set];
+    const Shrink s = shrink_of(sync, num_experts, call_word);
     if (!layout_fits(peers, lay, call_word)) phases = 0;
-    if (phases != 0) send_deferred_acks(peers, sync, num_experts, max_tokens, hidden, force_puts);
+    if (phases != 0) send_deferred_acks(peers, sync, num_experts, max_tokens, hidden, force_puts, s);
     timeline_start(timeline, kAtStart);
 
     if (phases & kPhaseSend) {
-        wait_for_acks(peers, lay, epoch, "ll_combine: peer read this buffer set's previous call (ack)");
+        wait_for_acks(peers, lay, epoch, "ll_combine: peer read this buffer set's previous call (ack)", s);
         timeline_mark(timeline, kAtAcks);
         const int num_pairs = num_local * num_ranks;
         const int w = warps_per_pair(num_pairs);
@@ -1049,7 +1175,10 @@ __device__ __forceinline__ void combine(const PeersTable* peers, const int4* y, 
             const int64_t packed = __ldg(layout_range + pair);
             const int begin = static_cast<int>(packed >> 32), n = static_cast<int>(packed & 0xffffffff);
             const bool direct = !force_puts && peers->sym_peer[home] != nullptr;
-            for (int i = sub; i < n; i += w) {
+            // Nothing to a masked home; each warp of the group reads the mask for itself, so all of them still
+            // reach the group's barrier below.
+            const bool gone = masked(s, home);
+            for (int i = sub; !gone && i < n; i += w) {
                 const int64_t row = e * rows_per_expert + begin + i;
                 const int4* src = y + row * row_int4;
                 if constexpr (kLogfmt) {  // the host runs it only where every peer has an NVLink pointer
@@ -1070,7 +1199,7 @@ __device__ __forceinline__ void combine(const PeersTable* peers, const int4* y, 
                 ptx::bar_sync(1 + group_in_block, w * 32);
             else
                 __syncwarp();
-            if (sub == 0 && lane == 0) {
+            if (sub == 0 && lane == 0 && !gone) {
                 uint64_t* word = lay.flags + static_cast<int64_t>(me) * num_local + e;
                 const uint64_t signal = epoch_signal(epoch, 1u);
                 if (direct) {
@@ -1099,13 +1228,15 @@ __device__ __forceinline__ void combine(const PeersTable* peers, const int4* y, 
             const int64_t expert = __ldg(topk_idx + static_cast<int64_t>(t) * num_topk + j % num_topk);
             if (expert < 0 || expert >= num_experts) continue;
             const uint64_t* word = lay.flags + expert;
-            timeout_while(peers, WaitSite{"ll_combine: rows of expert (channel) from its rank",
-                                          static_cast<int>(expert) / num_local, static_cast<int>(expert), epoch},
-                          [&](int64_t& seen) {
-                              seen = signal_epoch(ptx::ld_acquire_sys_u64(word));
-                              return seen != epoch;
-                          });
+            wait_peer(peers, s, WaitSite{"ll_combine: rows of expert (channel) from its rank",
+                                         static_cast<int>(expert) / num_local, static_cast<int>(expert), epoch},
+                      [&](int64_t& seen) {
+                          seen = signal_epoch(ptx::ld_acquire_sys_u64(word));
+                          return seen != epoch;
+                      });
         }
+        // Shrink build: the terms of a masked owner are skipped (zero), by one mask for the whole grid.
+        if constexpr (kShrink) grid_sync(peers, s);
         __syncthreads();
         timeline_mark(timeline, kAtCounted);
         __shared__ int slot_valid[kLowLatencyMaxTopk];
@@ -1114,7 +1245,8 @@ __device__ __forceinline__ void combine(const PeersTable* peers, const int4* y, 
             if (static_cast<int>(threadIdx.x) < num_topk) {
                 const int64_t j = static_cast<int64_t>(t) * num_topk + threadIdx.x;
                 const int64_t expert = __ldg(topk_idx + j);
-                slot_valid[threadIdx.x] = expert >= 0 && expert < num_experts;
+                slot_valid[threadIdx.x] = expert >= 0 && expert < num_experts &&
+                                          !masked(s, static_cast<int>(expert) / num_local);
                 slot_weight[threadIdx.x] = __ldg(topk_weights + j);
                 if (expert < -1 || expert >= num_experts) report_status(call_word, kLowLatencyInvalidIds);
             }
@@ -1159,7 +1291,8 @@ __device__ __forceinline__ void combine(const PeersTable* peers, const int4* y, 
         }
         timeline_mark(timeline, kAtReceived);
     }
-    finish_call(peers, lay, sync, set, (phases & kPhaseRecv) != 0, false, epoch, force_puts, host_status, timeline);
+    finish_call(peers, lay, sync, set, (phases & kPhaseRecv) != 0, false, epoch, force_puts, s, host_status,
+                timeline);
 }
 
 __global__ void __launch_bounds__(kLowLatencyThreads, 1)
@@ -1180,5 +1313,41 @@ ll_combine_logfmt(const PeersTable* peers, const int4* y, const int* src_info, c
     combine<true>(peers, y, src_info, topk_slot, layout_range, topk_idx, topk_weights, out, num_tokens, num_topk,
                   hidden, num_experts, max_tokens, set, phases, force_puts, sync, host_status, timeline);
 }
+
+// ------------------------------------------------------------------------------------------ shrink: clean
+
+#if defined(EPJIT_LL_SHRINK)
+// clean_low_latency_buffer's barrier in shrink mode, in place of the host group's (which a dead rank would hang):
+// each live rank writes `round` into its clean word at every live rank, then waits for every live rank's word to
+// reach it; a rank that does not in time is masked. The host runs it, zeroes its two sets, and runs it again with
+// the next round, so no live rank writes into a set before every live rank has zeroed its own. The words lie after
+// the sets, which the clean zeroes, so the rounds only grow (the host counts them: every live rank cleans as often).
+__global__ void __launch_bounds__(kLowLatencyThreads, 1)
+ll_clean_barrier(const PeersTable* peers, LowLatencySync* sync, int num_experts, int max_tokens, int hidden,
+                 int round, int force_puts) {
+    const int num_ranks = peers->num_ranks;
+    const LowLatencyLayout lay(peers->sym_base, 0, num_ranks, num_experts, max_tokens, hidden);
+    if (2 * lay.set_bytes + ll_align(8 * static_cast<int64_t>(num_ranks)) > peers->sym_bytes) return;  // (sized)
+    const Shrink s = shrink_of(sync, num_experts, nullptr);
+    uint64_t* words = clean_words(lay, peers->sym_base);
+    uint64_t* mine = words + peers->rank;
+    const uint64_t value = static_cast<uint64_t>(round);
+    for (int pe = static_cast<int>(threadIdx.x); pe < num_ranks; pe += static_cast<int>(blockDim.x)) {
+        if (masked(s, pe)) continue;
+        uint64_t* remote = force_puts ? nullptr : on_peer(peers, mine, pe);
+        if (remote != nullptr)
+            ptx::st_release_sys_u64(remote, value);
+        else
+            rdma_signal(peers, mine, value, SignalOp::kSet, pe);
+    }
+    for (int pe = static_cast<int>(threadIdx.x); pe < num_ranks; pe += static_cast<int>(blockDim.x)) {
+        const uint64_t* word = words + pe;
+        wait_peer(peers, s, WaitSite{"ll_clean_barrier: peer's clean round", pe, -1, round}, [&](int64_t& seen) {
+            seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(word));
+            return seen < round;
+        });
+    }
+}
+#endif
 
 }  // namespace epjit

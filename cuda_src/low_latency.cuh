@@ -17,6 +17,10 @@
 //                                               flagged, and how many it sent
 //   flagged msgs    [R src][kFlaggedTokens] x 2 msg    small dispatches' messages, flagged (below)
 //
+// After the two sets, once (clean_words, 256-byte aligned):
+//
+//   clean words     uint64 [R src]              shrink mode's clean barrier: the round src reached (ll_clean_barrier)
+//
 // A small dispatch takes the flagged path: every 8 bytes of its messages travel as {4 data bytes, the call's
 // epoch} (16-byte stores {a, epoch, b, epoch}; an 8-byte half lands whole), so a receiver polls the data itself
 // and no sender orders its stores before a signal: no system-scope fence and no count hand-off on the way (each
@@ -155,6 +159,28 @@ struct LowLatencySync {
 
 __device__ __forceinline__ int32_t* expert_sent_counters(LowLatencySync* sync) {
     return reinterpret_cast<int32_t*>(sync + 1);
+}
+
+// Shrink mode (the EPJIT_LL_SHRINK build, for a Buffer made with enable_shrink): after expert_sent, 8-byte aligned
+// (epjit/kernels/low_latency.py: shrink_offset). Written by the host at creation but for the grid barrier and the mask.
+struct LowLatencyShrink {
+    int32_t arrived;      // grid barrier (grid_sync): the blocks that reached it
+    int32_t generation;   // grid barrier: how often every block did
+    WaitRecord* records;  // mapped host memory [R]: the wait that masked each rank (wait.cuh: PeerMask)
+    uint64_t timeout_ns;  // how long a wait on a peer polls before it masks the peer
+    // Followed by int32 mask[R]: nonzero = masked, neither sent to nor waited for (zero at creation).
+};
+static_assert(sizeof(LowLatencyShrink) == 24, "LowLatencyShrink layout is shared with epjit/ops/low_latency.py");
+
+__device__ __forceinline__ LowLatencyShrink* shrink_state(LowLatencySync* sync, int num_experts) {
+    return reinterpret_cast<LowLatencyShrink*>(reinterpret_cast<char*>(expert_sent_counters(sync)) +
+                                               (4 * static_cast<int64_t>(num_experts) + 7) / 8 * 8);
+}
+
+// The shrink barrier's words: after the two sets (clean_low_latency_buffer zeroes the sets only, so the rounds
+// survive it).
+__device__ __forceinline__ uint64_t* clean_words(const LowLatencyLayout& lay, void* sym_base) {
+    return reinterpret_cast<uint64_t*>(static_cast<char*>(sym_base) + 2 * lay.set_bytes);
 }
 
 }  // namespace epjit

@@ -51,7 +51,9 @@ class Buffer:
 
     def __init__(self, group: Group | Any, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_max_dispatch_tokens_per_rank: int = 0, hidden: int = 0,
-                 num_experts: int = 0) -> None:
+                 num_experts: int = 0, enable_shrink: bool = False) -> None:
+        """``enable_shrink=True`` (low-latency mode): a rank that fails is masked instead of stopping the job
+        (docs/reliability.md: shrink mode)."""
         if not isinstance(group, Group):
             group = _group_of(group)
         # As ints, before any collective or GPU work: "1GB", 1.5 or True is no size (int() would make one of them).
@@ -61,8 +63,12 @@ class Buffer:
                 ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
                 ("num_experts", num_experts)))
         self.low_latency_mode = check_flag(low_latency_mode, "Buffer(low_latency_mode=...)")
-        group.check_same("Buffer(num_nvl_bytes, num_rdma_bytes, low_latency_mode)",
-                         (num_nvl_bytes, num_rdma_bytes, self.low_latency_mode))
+        self.enable_shrink = check_flag(enable_shrink, "Buffer(enable_shrink=...)")
+        if self.enable_shrink and not self.low_latency_mode:
+            raise ArgumentError(with_rank("Buffer(enable_shrink=True) needs low_latency_mode=True: shrink mode masks "
+                                          "ranks in the low-latency kernels only"))
+        group.check_same("Buffer(num_nvl_bytes, num_rdma_bytes, low_latency_mode, enable_shrink)",
+                         (num_nvl_bytes, num_rdma_bytes, self.low_latency_mode, self.enable_shrink))
         if group.device is None:
             raise SetupError(with_rank("epjit.Buffer needs a GPU, and epjit.init() bound none on this rank"))
         self.group, self.num_ranks, self.rank = group, group.size, group.rank
@@ -77,7 +83,8 @@ class Buffer:
             self._profile = Profile(env.profile)
             res = Resources(group, self.mem, streams, Outputs(streams, group.device, env.poison_outputs),
                             self._profile, env, id(self), self.num_nvl_bytes, self.num_rdma_bytes,
-                            self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts)
+                            self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts,
+                            self.enable_shrink)
             # The families this Buffer runs (epjit.front.fronts chooses them), or Absent: what says why not.
             self._normal, self._low_latency = fronts(res, self.low_latency_mode)
         except BaseException:
@@ -252,6 +259,29 @@ class Buffer:
         left ranks out of step. Every rank must call it, with no low-latency work in flight. The sizes, if given
         (DeepEP's signature), must be the Buffer's."""
         self._low_latency.clean(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    # ------------------------------------------------------------------------------------------------ shrink mode
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Shrink mode: mask ``rank_to_mask`` (``mask=True``: neither sent to nor waited for by this rank's
+        low-latency calls, its experts' terms of combine zero) or unmask it (``mask=False``), from this rank's next
+        call on."""
+        self._low_latency.update_mask(rank_to_mask, mask)
+
+    def low_latency_query_mask_buffer(self, mask_status: Any) -> None:
+        """Shrink mode: write the mask into ``mask_status`` ([num_ranks] int32 on this rank's GPU; 1 = masked,
+        by this rank's update or by one of its waits that timed out), ordered after this Buffer's calls."""
+        self._low_latency.query_mask(mask_status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Shrink mode: unmask every rank (and forget the reports of the waits that masked them)."""
+        self._low_latency.clean_mask()
+
+    def low_latency_mask_reports(self) -> list[dict[str, Any]]:
+        """Shrink mode: for each rank a wait of this rank masked since the last clean_mask_buffer, what the wait
+        recorded: ``rank`` (this rank), ``peer`` (the rank masked), ``site`` (kernel and what was awaited),
+        ``channel``, ``expected``, ``observed``, ``elapsed_ns``. Each is also logged once as a warning."""
+        return self._low_latency.mask_reports()
 
 
 __all__ = ["Buffer", "CombineResult", "Config", "DispatchHandle", "DispatchLayout", "DispatchResult", "Event",

@@ -45,6 +45,7 @@ class Settings:
     rdma_by_stores: bool = False
     ll_num_sms: int = 0
     share_gpus: bool = False
+    shrink_timeout_s: float | None = None
 
 
 def settings() -> Settings:
@@ -83,6 +84,9 @@ def settings() -> Settings:
         # 2-GPU machine). Ranks sharing a GPU are time-sliced by the driver: their results are correct, their
         # timings mean nothing.
         share_gpus=os.environ.get("EPJIT_SHARE_GPUS", "0") not in ("", "0"),
+        # Shrink mode (a low-latency Buffer made with enable_shrink): how long a kernel waits for a peer before it
+        # masks the peer and goes on without it. Unset: EPJIT_TIMEOUT_S.
+        shrink_timeout_s=_optional_float("EPJIT_SHRINK_TIMEOUT_S"),
     )
 
 

@@ -118,9 +118,14 @@ class WaitRecord(MappedHostArray):
         self._view = self.bytes
 
     def read(self) -> dict[str, Any] | None:
-        rec = self._view.view(WAIT_RECORD_DTYPE)[0]
-        if int(rec["status"]) == 0:
+        if int(self._view.view(WAIT_RECORD_DTYPE)[0]["status"]) == 0:
             return None
+        return self.decode(self._view)
+
+    @staticmethod
+    def decode(raw: np.ndarray) -> dict[str, Any]:
+        """The fields of one record (WAIT_RECORD_BYTES of uint8), the site as text."""
+        rec = raw.view(WAIT_RECORD_DTYPE)[0]
         return {k: (rec[k].decode(errors="replace") if k == "site" else int(rec[k])) for k in WAIT_RECORD_DTYPE.names}
 
     def error(self) -> EpjitTimeoutError | None:

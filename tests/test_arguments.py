@@ -176,9 +176,14 @@ def test_clean_low_latency_buffer_refuses_sizes_that_are_not_ints():
     res = buf._low_latency.res
     res.mem, res.streams = SimpleNamespace(synchronize=lambda stream: None), SimpleNamespace(comm=None)
     res.group = SimpleNamespace(barrier=lambda: None)
-    buf._low_latency.ops = SimpleNamespace(clean=lambda: cleaned.append(True))
+    buf._low_latency.ops = SimpleNamespace(clean=lambda: cleaned.append(True), shrink=None)
     buf.clean_low_latency_buffer(np.int64(8), np.array(256), 64)
     assert cleaned == [True]
+    # Shrink mode cleans with the device barrier of the live ranks, never the host group's (a dead rank's hang).
+    res.group = SimpleNamespace(barrier=lambda: pytest.fail("a host barrier in shrink mode"))
+    buf._low_latency.ops = SimpleNamespace(clean_live=lambda: cleaned.append("live"), shrink=object())
+    buf.clean_low_latency_buffer()
+    assert cleaned == [True, "live"]
     with pytest.raises(ArgumentError, match=r"clean_low_latency_buffer\(8, 128, None\): this Buffer was made for"):
         buf.clean_low_latency_buffer(8, 128)
 

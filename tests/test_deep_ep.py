@@ -285,6 +285,15 @@ class FakeEpjitBuffer:
     def clean_low_latency_buffer(self, *args):
         self._record("clean_low_latency_buffer", *args)
 
+    def low_latency_update_mask_buffer(self, *args):
+        self._record("low_latency_update_mask_buffer", *args)
+
+    def low_latency_query_mask_buffer(self, *args):
+        self._record("low_latency_query_mask_buffer", *args)
+
+    def low_latency_clean_mask_buffer(self):
+        self._record("low_latency_clean_mask_buffer")
+
     def close(self):
         self.closed = True
 
@@ -324,8 +333,6 @@ def test_construction_makes_a_normal_buffer_or_waits_for_the_low_latency_sizes(m
     assert len(made) == 1 and ll.num_rdma_bytes == 4096  # the low-latency Buffer comes with the first call
     both = Buffer(pg, 1 << 20, 4096, low_latency_mode=True)
     assert len(made) == 2 and both._normal is made[1]
-    with pytest.raises(NotImplementedError, match=r"enable_shrink=True is not available .*rank masking"):
-        Buffer(pg, 1 << 20, enable_shrink=True)
     with pytest.raises(NotImplementedError, match=r"^use_fabric=True is not available .*IPC handles, not fabric"):
         Buffer(pg, 1 << 20, use_fabric=True)
     with pytest.raises(ArgumentTypeError, match="use_fabric must be True or False"):
@@ -636,9 +643,6 @@ def test_what_epjit_lacks_is_refused_by_name(made):
                                                                         dispatch_wait_recv_cost_stats=_ints(2)),
         "combine_wait_recv_cost_stats": lambda: b.low_latency_combine(x, idx, idx, None,
                                                                       combine_wait_recv_cost_stats=_ints(2)),
-        "low_latency_update_mask_buffer": lambda: b.low_latency_update_mask_buffer(1, True),
-        "low_latency_query_mask_buffer": lambda: b.low_latency_query_mask_buffer(_ints(2)),
-        "low_latency_clean_mask_buffer": b.low_latency_clean_mask_buffer,
         "get_local_buffer_tensor": lambda: b.get_local_buffer_tensor(None),
     }
     for what, call in refusals.items():
@@ -863,3 +867,27 @@ def test_install_passes_its_node_size_to_the_group(clean_modules, monkeypatch):
     deep_ep_api.uninstall()
     buffer_module._make_group(None, "comm")
     assert seen == [{"torch_group": "torch-group", "num_nvl_ranks": 2}, {"comm": "comm", "num_nvl_ranks": None}]
+
+
+def test_shrink_mode_reaches_the_low_latency_buffer_with_deepeps_mask_calls(made):
+    b = Buffer(object(), 0, 1 << 24, low_latency_mode=True, enable_shrink=True)
+    assert b.enable_shrink is True
+    b.low_latency_update_mask_buffer(1, True)  # before the low-latency Buffer exists: kept for it
+    with pytest.raises(ArgumentError, match="rank_to_mask=2 is not a rank of this Buffer's 2"):
+        b.low_latency_update_mask_buffer(2, True)
+    with pytest.raises(ArgumentError, match="no low_latency_dispatch has run"):
+        b.low_latency_query_mask_buffer("mask_status")
+    b.low_latency_dispatch(np.zeros((3, 256)), _ints(3, 4), 32, 8, use_fp8=False)
+    assert made[0].kwargs["enable_shrink"] is True
+    assert made[0].calls[0] == ("low_latency_update_mask_buffer", (1, True), {})
+    b.low_latency_query_mask_buffer("mask_status")
+    b.low_latency_update_mask_buffer(0)
+    b.low_latency_clean_mask_buffer()
+    assert [c[:2] for c in made[0].calls[-3:]] == [("low_latency_query_mask_buffer", ("mask_status",)),
+                                                   ("low_latency_update_mask_buffer", (0, False)),
+                                                   ("low_latency_clean_mask_buffer", ())]
+    plain = Buffer(object(), 0, 1 << 24, low_latency_mode=True)
+    for call, args in (("low_latency_update_mask_buffer", (0, True)), ("low_latency_query_mask_buffer", ("m",)),
+                       ("low_latency_clean_mask_buffer", ())):
+        with pytest.raises(ArgumentError, match=f"^{call} needs a Buffer made with enable_shrink=True"):
+            getattr(plain, call)(*args)

@@ -128,3 +128,31 @@ def test_a_rank_that_stops_sending_times_out_naming_it():
     assert code != 0, output[-4000:]
     assert "EpjitTimeoutError" in output and "rank 0 timed out" in output, output[-4000:]
     assert "ll_dispatch" in output and "waiting for peer rank 1" in output, output[-4000:]
+
+
+@pytest.mark.parametrize("mode", ["update", "stop", "kill"])
+def test_shrink_mode_goes_on_without_a_rank_that_leaves(mode):
+    """Shrink mode (enable_shrink): rank 1 leaves a decode loop at iteration 3, masked by every live rank
+    (update), by the others' waits that time out (stop), or SIGKILLed between its dispatch and its combine (kill).
+    The survivors finish the loop with every output as the reference's with the masked rank out, the mask naming it,
+    then clean the buffer without it and run again; every rank ends on its own."""
+    require_gpus(2)
+    n = 4 if gpu_count() >= 4 else 2
+    env = placement(n, False)
+    pytest.importorskip("torch")
+    code, output, results = run_ranks("launch", n, "tests/ranks/low_latency_shrink.py", "--mode", mode,
+                                      env={"EPJIT_TIMEOUT_S": "60", "EPJIT_SHRINK_TIMEOUT_S": "3", **env},
+                                      timeout=300)
+    assert code == 0, output[-8000:]
+    assert sorted(r["rank"] for r in results) == [r for r in range(n) if r != 1], output[-4000:]
+    for r in results:
+        assert all(after == [[], []] for after in r["masks"][:3]), r  # before rank 1 leaves: nobody masked
+        assert all(after == [[1], [1]] for after in r["masks"][4:]) and r["after_clean"] == [[1], [1]], r
+        leaving = r["masks"][3]
+        assert leaving == ([[], [1]] if mode == "kill" else [[1], [1]]), r
+        if mode == "update":
+            assert r["reports"] == [], r  # masked by the caller: no wait had to
+        else:
+            assert [(x["rank"], x["peer"]) for x in r["reports"]] == [(r["rank"], 1)], r
+            assert 2.9e9 < r["reports"][0]["elapsed_ns"] < 10e9, r
+    print("\n".join(str(r) for r in results))

@@ -33,11 +33,16 @@ def test_constants_match_the_sources():
                   ("FLAG_ROUND_SCALE", "kFlagRoundScale"), ("FLAG_UE8M0", "kFlagUe8m0"),
                   ("STATUS_INVALID_IDS", "kLowLatencyInvalidIds"), ("STATUS_SLOT_OVERFLOW", "kLowLatencySlotOverflow"),
                   ("STATUS_META_MISMATCH", "kLowLatencyMetaMismatch"),
-                  ("STATUS_LAYOUT_TOO_BIG", "kLowLatencyLayoutTooBig"), ("STATUS_BIT_COUNT", "kStatusBitCount")]:
+                  ("STATUS_LAYOUT_TOO_BIG", "kLowLatencyLayoutTooBig"), ("STATUS_RANK_MASKED", "kLowLatencyRankMasked"),
+                  ("STATUS_BIT_COUNT", "kStatusBitCount")]:
         assert getattr(ll_ops, py) == _constexpr(KERNELS, c), py  # the family's public protocol constants
     fields = re.findall(r"int32_t (\w+)(?:\[(\d+)\])?;", re.search(r"struct LowLatencySync \{(.*?)\};", HEADER,
                                                                    re.S).group(1))
     assert sum(4 * int(n or 1) for _, n in fields) == ll.SYNC_BYTES
+    shrink = re.search(r"static_assert\(sizeof\(LowLatencyShrink\) == (\d+)", HEADER)
+    assert shrink and int(shrink.group(1)) == ll.SHRINK_BYTES
+    assert "(4 * static_cast<int64_t>(num_experts) + 7) / 8 * 8" in HEADER  # shrink_offset's alignment
+    assert [ll.shrink_offset(e) for e in (1, 2, 3, 256)] == [40, 40, 48, 1056]
 
 
 def test_set_bytes_follow_the_header_regions():
@@ -50,6 +55,9 @@ def test_set_bytes_follow_the_header_regions():
            "kFlaggedTokens": ll.FLAGGED_TOKENS}
     total = sum((eval(expr, {}, env) + 255) // 256 * 256 for expr in regions)  # noqa: S307 (our own header)
     assert total == ll.low_latency_set_bytes(r, e, m, h)
+    # After the two sets, shrink mode's clean words (uint64 [R]); the hint reserves them whether or not it is on.
+    assert ll.clean_words_offset(r, e, m, h) == 2 * total
+    assert ll.low_latency_size_hint(m, h, r, e) == 2 * total + 256
 
 
 @pytest.mark.parametrize("ranks", [2, 4, 8])

@@ -170,13 +170,12 @@ class Buffer:
             # of CUDA IPC handles; epjit's NVLink buffer is shared through CUDA IPC handles only.
             raise _unsupported("use_fabric=True", "epjit shares its NVLink buffer through CUDA IPC handles, not "
                                                   "fabric handles")
-        if check_flag(enable_shrink, "enable_shrink"):
-            raise _unsupported("enable_shrink=True", "epjit has no rank masking")
         self.num_nvl_bytes = check_int(num_nvl_bytes, "num_nvl_bytes")
         self.num_rdma_bytes = check_int(num_rdma_bytes, "num_rdma_bytes")
         self.low_latency_mode = check_flag(low_latency_mode, "low_latency_mode")
         self.explicitly_destroy = check_flag(explicitly_destroy, "explicitly_destroy")
-        self.enable_shrink = False
+        self.enable_shrink = check_flag(enable_shrink, "enable_shrink")
+        self._mask_updates: dict[int, bool] = {}  # shrink mode: updates made before the low-latency Buffer is
         self._group = _make_group(group, comm)
         self.group = group if group is not None else comm  # what DeepEP keeps (callers compare it)
         self.rank, self.group_size = self._group.rank, self._group.size
@@ -405,8 +404,11 @@ class Buffer:
                 "capturing"))
         self._ll = _new_epjit_buffer(self._group, num_rdma_bytes=self.num_rdma_bytes, low_latency_mode=True,
                                      num_max_dispatch_tokens_per_rank=sizes[0], hidden=sizes[1],
-                                     num_experts=sizes[2])
+                                     num_experts=sizes[2], **({"enable_shrink": True} if self.enable_shrink else {}))
         self._ll_sizes = sizes
+        for rank, mask in self._mask_updates.items():
+            self._ll.low_latency_update_mask_buffer(rank, mask)
+        self._mask_updates.clear()
         return self._ll
 
     def _made_low_latency(self) -> Any:
@@ -511,12 +513,36 @@ class Buffer:
         self._combine_buffers.append(buffer)
         return buffer
 
+    def _shrink(self, call: str) -> Any:
+        """The low-latency Buffer of a shrink-mode Buffer, or None before its first low-latency call."""
+        self._check_alive()
+        if not self.enable_shrink:
+            raise ArgumentError(with_rank(f"{call} needs a Buffer made with enable_shrink=True"))
+        return self._ll
+
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
-        raise _unsupported("low_latency_update_mask_buffer", "epjit has no rank masking (enable_shrink)")
+        """Mask (mask=True) or unmask rank_to_mask in this rank's low-latency calls (shrink mode)."""
+        ll = self._shrink("low_latency_update_mask_buffer")
+        if ll is not None:
+            ll.low_latency_update_mask_buffer(rank_to_mask, mask)
+            return
+        rank = check_int(rank_to_mask, "rank_to_mask")  # kept until the low-latency Buffer is made
+        if rank >= self.group_size:
+            raise ArgumentError(with_rank(f"rank_to_mask={rank} is not a rank of this Buffer's {self.group_size}"))
+        self._mask_updates[rank] = check_flag(mask, "mask")
 
     def low_latency_query_mask_buffer(self, mask_status: Any) -> None:
-        raise _unsupported("low_latency_query_mask_buffer", "epjit has no rank masking (enable_shrink)")
+        """Write the mask ([num_ranks] torch.int, 1 = masked) into mask_status (shrink mode)."""
+        ll = self._shrink("low_latency_query_mask_buffer")
+        if ll is None:
+            raise ArgumentError(with_rank("low_latency_query_mask_buffer: no low_latency_dispatch has run on this "
+                                          "Buffer yet"))
+        ll.low_latency_query_mask_buffer(mask_status)
 
     def low_latency_clean_mask_buffer(self) -> None:
-        raise _unsupported("low_latency_clean_mask_buffer", "epjit has no rank masking (enable_shrink)")
+        """Unmask every rank (shrink mode)."""
+        ll = self._shrink("low_latency_clean_mask_buffer")
+        if ll is not None:
+            ll.low_latency_clean_mask_buffer()
+        self._mask_updates.clear()
 

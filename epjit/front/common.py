@@ -33,6 +33,7 @@ class Resources:
     num_max_dispatch_tokens_per_rank: int
     hidden: int
     num_experts: int
+    enable_shrink: bool = False  # low-latency mode: mask ranks that fail (docs/reliability.md)
 
     @property
     def device(self) -> int:

@@ -68,9 +68,11 @@ class LowLatencyFront:
         self.res, self.device, self.buffer_id, self.num_ranks = res, res.device, res.buffer_id, res.group.size
         self.plans = Plans()
         self.dispatch_inputs, self.combine_inputs = DispatchInputs(), CombineInputs()  # refilled by each call
+        env = res.settings
+        shrink_timeout = (env.shrink_timeout_s or env.timeout_s) if res.enable_shrink else None
         self.ops = LowLatency(res.mem, res.streams, res.outputs, res.profile, self.device,
                               res.num_max_dispatch_tokens_per_rank, res.hidden, res.num_experts,
-                              res.settings.ll_force_puts, res.settings.ll_num_sms)
+                              env.ll_force_puts, env.ll_num_sms, shrink_timeout)
 
     def close(self) -> None:
         self.ops.close()
@@ -213,6 +215,36 @@ class LowLatencyFront:
             raise ArgumentError(with_rank(f"clean_low_latency_buffer{given}: this Buffer was made for {mine} "
                                           "(num_max_dispatch_tokens_per_rank, hidden, num_experts)"))
         res.mem.synchronize(res.streams.comm)
+        if self.ops.shrink is not None:  # no host collective: a dead rank would hang it (ops.clean_live)
+            self.ops.clean_live()
+            return
         res.group.barrier()
         self.ops.clean()
         res.group.barrier()
+
+    # ------------------------------------------------------------------------------------------------ shrink
+
+    def _shrink_call(self, call: str) -> None:
+        if self.ops.shrink is None:
+            raise ArgumentError(with_rank(f"{call} needs a Buffer made with enable_shrink=True (and "
+                                          "low_latency_mode=True)"))
+
+    def update_mask(self, rank_to_mask: Any, mask: Any) -> None:
+        self._shrink_call("low_latency_update_mask_buffer")
+        rank = check_int(rank_to_mask, "rank_to_mask")
+        if rank >= self.num_ranks:
+            raise ArgumentError(with_rank(f"rank_to_mask={rank} is not a rank of this Buffer's {self.num_ranks}"))
+        self.ops.shrink.update(rank, check_flag(mask, "mask"))
+
+    def query_mask(self, mask_status: Any) -> None:
+        self._shrink_call("low_latency_query_mask_buffer")
+        info = check(mask_status, "mask_status", dtype="int32", shape=(self.num_ranks,), device=self.device)
+        self.ops.shrink.query(address(kernel_array(mask_status, info, "mask_status")), info.framework)
+
+    def clean_mask(self) -> None:
+        self._shrink_call("low_latency_clean_mask_buffer")
+        self.ops.shrink.clean()
+
+    def mask_reports(self) -> list[dict[str, Any]]:
+        self._shrink_call("low_latency_mask_reports")
+        return self.ops.shrink.mask_reports()

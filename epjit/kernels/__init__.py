@@ -26,7 +26,14 @@ from .intranode import (
     combine_fp8_spec,
     intranode_spec,
 )
-from .low_latency import LowLatencyPutsSpec, LowLatencySpec, LowLatencyStoresSpec
+from .low_latency import (
+    LowLatencyPutsShrinkSpec,
+    LowLatencyPutsSpec,
+    LowLatencyShrinkSpec,
+    LowLatencySpec,
+    LowLatencyStoresShrinkSpec,
+    LowLatencyStoresSpec,
+)
 
 __all__ = [
     "BarrierSpec",
@@ -38,8 +45,11 @@ __all__ = [
     "IntranodeNotifySpec",
     "IntranodeSpec",
     "LayoutSpec",
+    "LowLatencyPutsShrinkSpec",
     "LowLatencyPutsSpec",
+    "LowLatencyShrinkSpec",
     "LowLatencySpec",
+    "LowLatencyStoresShrinkSpec",
     "LowLatencyStoresSpec",
     "PutSignalCheckSpec",
     "by_stores",
@@ -89,6 +99,7 @@ def check_specs() -> list[KernelSpec]:
     # A tuning variant (Config's warp-role fields): the phased dispatch with 3 combine senders a peer.
     specs.append(intranode_spec(4, dispatch_phased=1, combine_send_warps=3))
     specs += [LowLatencySpec(), LowLatencyPutsSpec(), LowLatencyStoresSpec()]
+    specs += [LowLatencyShrinkSpec(), LowLatencyPutsShrinkSpec(), LowLatencyStoresShrinkSpec()]
     # Across NVLink nodes: the topologies the GPU tier runs (nodes x ranks a node), through NVSHMEM and with the
     # RDMA leg as NVLink stores (virtual nodes on one host).
     for nodes, nvl_ranks in ((2, 1), (4, 1), (2, 2), (2, 4), (4, 2)):

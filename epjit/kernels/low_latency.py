@@ -12,6 +12,7 @@ LOW_LATENCY_THREADS = 1024
 LOW_LATENCY_MAX_TOPK = 16  # kLowLatencyMaxTopk: combine slots per token
 LOW_LATENCY_HEADER_BYTES = 16 + 8 * LOW_LATENCY_MAX_TOPK  # kLowLatencyHeaderBytes: int4 + an int2 entry a slot
 SYNC_BYTES = 32  # sizeof(LowLatencySync); int32 expert_sent[num_experts] follow it
+SHRINK_BYTES = 24  # sizeof(LowLatencyShrink): after expert_sent, 8-byte aligned; int32 mask[num_ranks] follows it
 # The flagged path of small dispatches (cuda_src/low_latency.cuh): its region's size and the format word's bit.
 FLAGGED_MESSAGES = 160  # kFlaggedMessages: messages leaving a flagged source, at most
 FLAGGED_TOKENS = 64  # kFlaggedTokens: a flagged source's tokens, and its region's stride
@@ -70,6 +71,49 @@ class LowLatencyStoresSpec(LowLatencySpec):
     BUILD = "low_latency_stores"
 
 
+# Shrink mode (a Buffer made with enable_shrink): each build again with EPJIT_LL_SHRINK, which masks a rank that
+# does not answer in time instead of trapping, and skips masked ranks. A build of its own, so the kernels of a
+# Buffer without it are the code they were (cuda_src/low_latency.cu: kShrink).
+SHRINK_KERNELS = {
+    **LowLatencySpec.KERNELS,
+    "ll_clean_barrier": (
+        PEERS, ("sync", "LowLatencySync*"), ("num_experts", "int"), ("max_tokens", "int"), ("hidden", "int"),
+        ("round", "int"), ("force_puts", "int")),
+}
+
+
+@dataclass(frozen=True)
+class LowLatencyShrinkSpec(LowLatencySpec):
+    """LowLatencySpec's build in shrink mode (EPJIT_LL_SHRINK), with the clean barrier."""
+
+    DEFINES = ("EPJIT_LL_SHRINK",)
+    BUILD = "low_latency_shrink"
+    KERNELS = SHRINK_KERNELS
+
+
+@dataclass(frozen=True)
+class LowLatencyPutsShrinkSpec(LowLatencyPutsSpec):
+    """LowLatencyPutsSpec's build in shrink mode (EPJIT_LL_SHRINK), with the clean barrier."""
+
+    DEFINES = ("EPJIT_LL_PUTS", "EPJIT_LL_SHRINK")
+    BUILD = "low_latency_puts_shrink"
+    KERNELS = SHRINK_KERNELS
+
+
+@dataclass(frozen=True)
+class LowLatencyStoresShrinkSpec(LowLatencyStoresSpec):
+    """LowLatencyStoresSpec's build in shrink mode (EPJIT_LL_SHRINK), with the clean barrier."""
+
+    DEFINES = ("EPJIT_RDMA_BY_STORES", "EPJIT_LL_SHRINK")
+    BUILD = "low_latency_stores_shrink"
+    KERNELS = SHRINK_KERNELS
+
+
+SHRINK_BUILDS: dict[type[LowLatencySpec], type[LowLatencySpec]] = {
+    LowLatencySpec: LowLatencyShrinkSpec, LowLatencyPutsSpec: LowLatencyPutsShrinkSpec,
+    LowLatencyStoresSpec: LowLatencyStoresShrinkSpec}
+
+
 def _align(n: int) -> int:
     return (n + 255) // 256 * 256
 
@@ -96,9 +140,20 @@ def low_latency_set_bytes(num_ranks: int, num_experts: int, max_tokens: int, hid
     return sum(_align(s) for s in sizes)
 
 
-def low_latency_size_hint(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
-    """Symmetric-heap bytes per rank for low-latency mode: two sets."""
+def clean_words_offset(num_ranks: int, num_experts: int, max_tokens: int, hidden: int) -> int:
+    """Where shrink mode's clean words (uint64 [num_ranks]) begin in the heap: after the two sets."""
     return 2 * low_latency_set_bytes(num_ranks, num_experts, max_tokens, hidden)
+
+
+def low_latency_size_hint(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:
+    """Symmetric-heap bytes per rank for low-latency mode: two sets, then shrink mode's clean words (so one size
+    serves a Buffer with or without enable_shrink, as DeepEP's hint does)."""
+    return clean_words_offset(num_ranks, num_experts, max_tokens, hidden) + _align(8 * num_ranks)
+
+
+def shrink_offset(num_experts: int) -> int:
+    """Byte offset of LowLatencyShrink in a Buffer's sync words (cuda_src/low_latency.cuh: shrink_state)."""
+    return SYNC_BYTES + (4 * num_experts + 7) // 8 * 8
 
 
 def deepep_low_latency_size_hint(max_tokens: int, hidden: int, num_ranks: int, num_experts: int) -> int:

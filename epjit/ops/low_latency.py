@@ -12,6 +12,10 @@ Status words (``host_status``, mapped host memory written by the kernels only): 
 released after the counts; word 1 + b counts the calls that raised status bit b. The host remembers what it has
 raised and raises what the counts gained since, so a repeated problem is raised again and two reports between two
 looks are raised together.
+
+Shrink mode (a Buffer made with enable_shrink: the kernels' EPJIT_LL_SHRINK build, docs/reliability.md; its mask
+and reports: epjit.ops.shrink): a kernel wait that times out on a peer masks it and raises status bit
+STATUS_RANK_MASKED, which the host turns into a warning and a report instead of an error.
 """
 
 from __future__ import annotations
@@ -28,17 +32,20 @@ from ..arrays import address
 from ..errors import ArgumentError, EpjitError, with_rank
 from ..kernels.low_latency import (
     LOW_LATENCY_THREADS,
+    SHRINK_BUILDS,
     SYNC_BYTES,
     TIMELINE_POINTS,
     LowLatencyPutsSpec,
     LowLatencySpec,
     LowLatencyStoresSpec,
+    clean_words_offset,
     dispatch_shared_bytes,
     low_latency_size_hint,
 )
 from ..memory import IpcHeap, MappedHostArray, PeerMemory, SymmetricHeap
 from .loader import load
 from .profile import Profile
+from .shrink import ShrinkMask, sync_ints
 from .streams import Event, Outputs, Streams, caller_stream
 
 # Protocol constants of cuda_src/low_latency.cu (tests/test_low_latency_layout.py holds them against it).
@@ -46,7 +53,8 @@ PHASE_SEND, PHASE_RECV = 1, 2  # kPhaseSend, kPhaseRecv: which halves a launch r
 FLAG_FP8, FLAG_ROUND_SCALE, FLAG_UE8M0 = 1, 2, 4  # kFlagFp8, kFlagRoundScale, kFlagUe8m0
 # Status bits (kLowLatencyInvalidIds, ...): what a kernel found wrong, reported through the status words.
 STATUS_INVALID_IDS, STATUS_SLOT_OVERFLOW, STATUS_META_MISMATCH, STATUS_LAYOUT_TOO_BIG = 1, 2, 4, 8
-STATUS_BIT_COUNT = 4  # kStatusBitCount: host_status holds [0] reports, [1 + b] calls that raised bit b
+STATUS_RANK_MASKED = 16  # kLowLatencyRankMasked: shrink mode, a wait masked a peer (a warning, not an error)
+STATUS_BIT_COUNT = 5  # kStatusBitCount: host_status holds [0] reports, [1 + b] calls that raised bit b
 # Blocks of a low-latency kernel, one an SM: both receive halves are bound by what an SM loads, so they want many;
 # beyond 128 nothing was gained (docs/history.md, "Low-latency fences, acks, flags and blocks").
 MAX_BLOCKS = 128
@@ -66,13 +74,15 @@ def _cupy() -> Any:
     return cupy
 
 
-def kernels_for(force_puts: bool, heap: SymmetricHeap | IpcHeap | None) -> LowLatencySpec:
+def kernels_for(force_puts: bool, heap: SymmetricHeap | IpcHeap | None, shrink: bool = False) -> LowLatencySpec:
     """The build of the kernels this Buffer runs: without NVSHMEM where every peer is reached by pointer and puts are
     not forced; with NVSHMEM's puts where one is not (or puts are forced on its heap); with the put path as NVLink
-    stores where puts are forced on IPC memory (EPJIT_RDMA_BY_STORES)."""
+    stores where puts are forced on IPC memory (EPJIT_RDMA_BY_STORES). ``shrink``: that build in shrink mode."""
     if not needs_puts(force_puts, heap):
-        return LowLatencySpec()
-    return LowLatencyStoresSpec() if isinstance(heap, IpcHeap) else LowLatencyPutsSpec()
+        spec: LowLatencySpec = LowLatencySpec()
+    else:
+        spec = LowLatencyStoresSpec() if isinstance(heap, IpcHeap) else LowLatencyPutsSpec()
+    return SHRINK_BUILDS[type(spec)]() if shrink else spec
 
 
 def needs_puts(force_puts: bool, heap: SymmetricHeap | IpcHeap | None) -> bool:
@@ -245,8 +255,13 @@ class CombinePlan:
 class LowLatency:
     """A low-latency Buffer's kernels, device words, status words and the bookkeeping of its two buffer sets."""
 
+    shrink: ShrinkMask | None = None  # shrink mode's mask and reports (set in __init__ where it is on)
+
     def __init__(self, mem: PeerMemory, streams: Streams, outputs: Outputs, profile: Profile, device: int,
-                 num_max_tokens: int, hidden: int, num_experts: int, force_puts: bool, num_sms: int) -> None:
+                 num_max_tokens: int, hidden: int, num_experts: int, force_puts: bool, num_sms: int,
+                 shrink_timeout_s: float | None = None) -> None:
+        """``shrink_timeout_s``: shrink mode (the kernels' shrink build), a peer that does not answer within it
+        masked; None: without."""
         cupy = _cupy()
         self.mem, self.streams, self.outputs, self.profile = mem, streams, outputs, profile
         self.device = device
@@ -254,9 +269,13 @@ class LowLatency:
         self.num_max_tokens, self.hidden, self.num_experts = num_max_tokens, hidden, num_experts
         self.force_puts = int(force_puts)
         self.puts = needs_puts(force_puts, mem.sym)  # the build with a put path: no LogFMT combine there
-        self.module = load(kernels_for(force_puts, mem.sym), device)
+        shrink = shrink_timeout_s is not None
+        self.module = load(kernels_for(force_puts, mem.sym, shrink), device)
         with cupy.cuda.Device(device):
-            self.sync = cupy.zeros(SYNC_BYTES // 4 + num_experts, dtype=cupy.int32)  # + expert_sent
+            # LowLatencySync + expert_sent (+ shrink mode's words and mask)
+            self.sync = cupy.zeros(sync_ints(num_experts, self.num_ranks, shrink), dtype=cupy.int32)
+            self.shrink = ShrinkMask(self.sync, num_experts, self.num_ranks, shrink_timeout_s, mem, streams,
+                                     device) if shrink else None
         self.host_status = MappedHostArray(64)  # see the module docstring
         self.status_seen = np.zeros(1 + STATUS_BIT_COUNT, dtype=np.int32)
         self.next_set = 0
@@ -269,6 +288,8 @@ class LowLatency:
     def close(self) -> None:
         self.closed = True
         self.host_status.close()
+        if self.shrink is not None:
+            self.shrink.close()
 
     # ---------------------------------------------------------------------------------------------------- plans
 
@@ -454,7 +475,8 @@ class LowLatency:
     # ---------------------------------------------------------------------------------------------------- status
 
     def raise_status(self) -> None:
-        """Raise, once, what earlier kernels found (their last block counts it in host_status)."""
+        """Raise, once, what earlier kernels found (their last block counts it in host_status); a rank a wait
+        masked (shrink mode) is a warning and a report, not an error."""
         ints = self.host_status.ints
         if ints[0] == self.status_seen[0]:
             return
@@ -463,6 +485,11 @@ class LowLatency:
         raised = counts != self.status_seen[1:]
         self.status_seen[0], self.status_seen[1:] = reports, counts
         status = sum(1 << b for b in range(STATUS_BIT_COUNT) if raised[b])
+        if status & STATUS_RANK_MASKED and self.shrink is not None:
+            self.shrink.collect()
+            status &= ~STATUS_RANK_MASKED
+        if status == 0:
+            return
         raise ArgumentError(with_rank("an earlier low-latency call was wrong, its results are not valid: "
                                       + "; ".join(self.describe_status(status))))
 
@@ -479,6 +506,8 @@ class LowLatency:
         if status & STATUS_LAYOUT_TOO_BIG:
             problems.append("the kernels' buffer layout does not fit the symmetric heap (an epjit bug: "
                             "epjit/kernels/low_latency.py and cuda_src/low_latency.cuh disagree)")
+        if status & STATUS_RANK_MASKED:
+            problems.append("a wait on a peer timed out and masked it")
         return problems
 
     def clean(self) -> None:
@@ -492,13 +521,42 @@ class LowLatency:
             cupy.cuda.runtime.memset(heap.base, 0, low_latency_size_hint(
                 self.num_max_tokens, self.hidden, self.num_ranks, self.num_experts))
             cupy.cuda.runtime.deviceSynchronize()
-        self.host_status.ints[:] = 0  # no kernel runs: the synchronisation above
+        self._forget()
+
+    def _forget(self) -> None:
+        self.host_status.ints[:] = 0  # no kernel runs: the caller synchronised
         self.status_seen[:] = 0
         self.next_set = 0
         self.pending = [None, None]
 
+    # ---------------------------------------------------------------------------------------------------- shrink
+
+    def clean_live(self) -> None:
+        """Shrink mode's clean: the device barrier of the live ranks (ll_clean_barrier, a rank that does not come
+        masked), this rank's two sets and call words zeroed, the barrier again; the mask and the clean words kept.
+        No host collective, so a dead rank cannot hang it. No low-latency work of this rank is in flight."""
+        cupy, shrink = _cupy(), self.shrink
+        assert shrink is not None and self.mem.sym is not None
+        args = self.module.spec.args("ll_clean_barrier", peers=self.mem.table_ptr, sync=int(self.sync.data.ptr),
+                                     num_experts=self.num_experts, max_tokens=self.num_max_tokens, hidden=self.hidden,
+                                     force_puts=self.force_puts)
+        comm = self.streams.comm
+        with cupy.cuda.Device(self.device):
+            self.module.launch(args.set(round=2 * shrink.cleans + 1), 1, LOW_LATENCY_THREADS,
+                               stream=self.streams.comm_ptr)
+            with comm:
+                self.sync[:SYNC_BYTES // 4 + self.num_experts].fill(0)  # (not the mask after them)
+            sets = clean_words_offset(self.num_ranks, self.num_experts, self.num_max_tokens, self.hidden)
+            cupy.cuda.runtime.memsetAsync(self.mem.sym.base, 0, sets, self.streams.comm_ptr)
+            self.module.launch(args.set(round=2 * shrink.cleans + 2), 1, LOW_LATENCY_THREADS,
+                               stream=self.streams.comm_ptr)
+            shrink.cleans += 1
+            self.mem.synchronize(comm)
+        self._forget()
+        shrink.collect()
+
 
 __all__ = ["FLAG_FP8", "FLAG_ROUND_SCALE", "FLAG_UE8M0", "MAX_BLOCKS", "PHASE_RECV", "PHASE_SEND",
            "STATUS_BIT_COUNT", "STATUS_INVALID_IDS", "STATUS_LAYOUT_TOO_BIG", "STATUS_META_MISMATCH",
-           "STATUS_SLOT_OVERFLOW", "LowLatency", "LowLatencyCombineResult", "LowLatencyDispatchResult",
-           "LowLatencyHandle", "needs_puts"]
+           "STATUS_RANK_MASKED", "STATUS_SLOT_OVERFLOW", "LowLatency", "LowLatencyCombineResult",
+           "LowLatencyDispatchResult", "LowLatencyHandle", "needs_puts"]

@@ -3,7 +3,7 @@ reordering that makes a kernel's result comparable with the reference's."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -115,9 +115,10 @@ def _low_latency_dispatch_to_rank(
     hidden: int,
     use_fp8: bool,
     use_ue8m0: bool,
+    masked: frozenset[int] = frozenset(),
 ) -> LowLatencyDispatchResult:
     """What rank ``rank`` receives: for each local expert, the source blocks in rank order (``slots[s]`` is
-    :func:`_slots_by_expert` of rank ``s``)."""
+    :func:`_slots_by_expert` of rank ``s``); a masked source's blocks are empty."""
     num_ranks = len(payload)
     num_local = num_experts // num_ranks
     num_rows = num_ranks * max_tokens
@@ -132,6 +133,8 @@ def _low_latency_dispatch_to_rank(
         for s in range(num_ranks):
             tokens_by_expert, _, offsets = slots[s]
             tokens = tokens_by_expert[offsets[expert] : offsets[expert + 1]]
+            if s in masked:
+                tokens = tokens[:0]
             # Each (expert, source) receive slot has room for max_tokens rows; only repeated experts overflow it.
             if len(tokens) > max_tokens:
                 raise argument_error(
@@ -167,7 +170,8 @@ def low_latency_dispatch(
     use_fp8: bool = True,
     round_scale: bool = False,
     use_ue8m0: bool = False,
-) -> list[LowLatencyDispatchResult]:
+    masked_ranks: Iterable[int] = (),
+) -> list[LowLatencyDispatchResult | None]:
     """Low-latency dispatch over ``len(xs)`` simulated ranks; ``xs[r]`` is ``[N_r, H]`` bf16, ``N_r <= max``.
 
     One message per valid top-k slot ``(t, k)`` (as DeepEP: a token naming an expert twice arrives twice). On rank
@@ -184,9 +188,20 @@ def low_latency_dispatch(
 
     A source rank with more than ``max`` tokens, or (only possible with repeated experts) more than ``max`` slots
     for one expert, is an ArgumentError: each (expert, source) receive slot has room for ``max`` rows.
+
+    ``masked_ranks`` (shrink mode, as DeepEP): those ranks take no part. Nothing arrives from a masked source (its
+    blocks are empty: count 0, recv_count without them), and a masked rank's own result is None (what a masked,
+    perhaps dead, rank holds is not defined); its ``xs``/``topk_idx`` entries are not read and may be None.
     """
     num_ranks = len(per_rank("xs", xs))
     num_experts = check_num_experts(num_experts, num_ranks)[0]
+    masked = _masked_ranks(masked_ranks, num_ranks)
+    if masked:  # a masked rank's inputs are not read: stand-ins of a live rank's, whose blocks are then left out
+        live = next((r for r in range(num_ranks) if r not in masked), None)
+        if live is None:
+            raise argument_error(f"masked_ranks={sorted(masked)} masks every one of the {num_ranks} ranks")
+        xs = [xs[live] if r in masked else xs[r] for r in range(num_ranks)]
+        topk_idx = [topk_idx[live] if r in masked else topk_idx[r] for r in range(num_ranks)]
     topk_idx = per_rank("topk_idx", topk_idx, num_ranks)
     max_tokens = check_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", 1)
     use_fp8, round_scale, use_ue8m0 = (check_flag(v, n) for v, n in (
@@ -210,9 +225,23 @@ def low_latency_dispatch(
             hidden=hidden,
             use_fp8=use_fp8,
             use_ue8m0=use_ue8m0,
+            masked=masked,
         )
+        if r not in masked else None
         for r in range(num_ranks)
     ]
+
+
+def _masked_ranks(masked_ranks: Iterable[int], num_ranks: int) -> frozenset[int]:
+    """``masked_ranks`` as a set, each checked to be a rank."""
+    try:
+        ranks = [check_int(r, "masked_ranks") for r in masked_ranks]
+    except TypeError:
+        raise type_error(f"masked_ranks must be an iterable of ranks, got {type(masked_ranks).__name__}") from None
+    bad = [r for r in ranks if r >= num_ranks]
+    if bad:
+        raise argument_error(f"masked_ranks has {bad} but there are {num_ranks} ranks")
+    return frozenset(ranks)
 
 
 def _check_ll_block(handle: LowLatencyHandle, name: str, e: int, s: int) -> np.ndarray:
@@ -234,7 +263,8 @@ def low_latency_combine(
     handles: Sequence[LowLatencyHandle],
     *,
     use_logfmt: bool = False,
-) -> list[LowLatencyCombineResult]:
+    masked_ranks: Iterable[int] = (),
+) -> list[LowLatencyCombineResult | None]:
     """Low-latency combine over simulated ranks; returns each home rank's result, whose ``x`` is ``[N, H]`` bf16.
 
     ``ys[r]`` is ``[L, R*max, H]`` bf16, the expert outputs in rank ``r``'s received layout (``handles[r]``; rows
@@ -251,10 +281,16 @@ def low_latency_combine(
 
     ``use_logfmt=True``: each row travels as DeepEP's LogFMT-10, so ``float32(y[row])`` above is its round trip
     :func:`~epjit.reference.numerics.logfmt_cast_back` (hidden % 128 == 0).
+
+    ``masked_ranks`` (shrink mode, as DeepEP): the terms of experts on a masked rank are skipped (zero), and a masked
+    rank's result is None; its ``ys``/``topk_idx``/``topk_weights``/``handles`` entries are not read and may be None.
     """
     use_logfmt = check_flag(use_logfmt, "use_logfmt")
     handles = per_rank("handles", handles)
     num_ranks = len(handles)
+    masked = _masked_ranks(masked_ranks, num_ranks)
+    if masked:
+        return _combine_live(ys, topk_idx, topk_weights, handles, masked, use_logfmt)
     for r, h in enumerate(handles):
         if not isinstance(h, LowLatencyHandle):
             raise type_error(f"handles[{r}] must be a LowLatencyHandle, got {type(h).__name__}")
@@ -320,6 +356,47 @@ def low_latency_combine(
             acc[tokens] += y * weights_in[s][tokens, k][:, None]
         outputs.append(LowLatencyCombineResult(x=acc.astype(BF16)))
     return outputs
+
+
+def _combine_live(ys: Sequence[Any], topk_idx: Sequence[Any], topk_weights: Sequence[Any], handles: Sequence[Any],
+                  masked: frozenset[int], use_logfmt: bool) -> list[LowLatencyCombineResult | None]:
+    """low_latency_combine with ``masked`` ranks out: each live home's top-k entries on a masked rank become -1
+    (skipped), and a masked rank stands in as a rank that received nothing and sends nothing home."""
+    num_ranks = len(handles)
+    live = [r for r in range(num_ranks) if r not in masked]
+    if not live:
+        raise argument_error(f"masked_ranks={sorted(masked)} masks every one of the {num_ranks} ranks")
+    model = handles[live[0]]
+    if not isinstance(model, LowLatencyHandle):
+        raise type_error(f"handles[{live[0]}] must be a LowLatencyHandle, got {type(model).__name__}")
+    num_local = model.num_experts // num_ranks
+    empty = LowLatencyHandle(src_info=np.zeros_like(model.src_info), layout_range=np.zeros_like(model.layout_range),
+                             num_max_dispatch_tokens_per_rank=model.num_max_dispatch_tokens_per_rank,
+                             hidden=model.hidden, num_experts=model.num_experts)
+    owner_masked = np.array([e // num_local in masked for e in range(model.num_experts)])
+    idx_live, weights_live, ys_live, handles_live = [], [], [], []
+    for r in range(num_ranks):
+        if r in masked:
+            k = np.asarray(topk_idx[live[0]]).shape[1]
+            idx_live.append(np.full((0, k), -1, dtype=np.int64))
+            weights_live.append(np.zeros((0, k), dtype=np.float32))
+            ys_live.append(np.zeros(ys[live[0]].shape, dtype=BF16))
+            handles_live.append(empty)
+            continue
+        idx = check_topk_idx(topk_idx[r], f"topk_idx[{r}]", None, None, model.num_experts).copy()
+        idx[(idx >= 0) & owner_masked[np.maximum(idx, 0)]] = -1
+        idx_live.append(idx)
+        weights_live.append(topk_weights[r])
+        ys_live.append(ys[r])
+        # A source masked after the dispatch (DeepEP: a combine's wait timed out) sends nothing home: its blocks go.
+        begin, count = unpack_layout_range(handles[r].layout_range)
+        count[:, sorted(masked)] = 0
+        handles_live.append(LowLatencyHandle(
+            src_info=handles[r].src_info, layout_range=pack_layout_range(begin, count),
+            num_max_dispatch_tokens_per_rank=model.num_max_dispatch_tokens_per_rank, hidden=model.hidden,
+            num_experts=model.num_experts))
+    results = low_latency_combine(ys_live, idx_live, weights_live, handles_live, use_logfmt=use_logfmt)
+    return [None if r in masked else results[r] for r in range(num_ranks)]
 
 
 def sort_low_latency_result(result: LowLatencyDispatchResult) -> LowLatencyDispatchResult:
