@@ -15,6 +15,10 @@
 //             to me, in the sub-ring of the rows' home node; readers at home sum the nodes' partials; a coordinator
 //             returns heads. The forwarding block: a group a home node sums, for each token it forwarded, the rows
 //             of its node in float32 and puts the bf16 partial into the RDMA ring back home, each warp its chunks.
+//             internode_combine_fp8 (Buffer.combine(..., use_fp8=True)): the same, but the forwarder quantises its
+//             float32 partial to e4m3 with a float32 scale a 128 channels (no bf16 rounding between) and puts that
+//             (RDMA slots of fp8_combine_slot_bytes: about half the bytes), and the readers sum the dequantised
+//             partials in float32; the NVLink leg carries bf16 rows as before.
 //
 // Memory ordering. RDMA (rdma.cuh): staging stores by a warp -> __syncwarp -> fence -> that warp's put with signal,
 // which NVSHMEM delivers after the data (the build with stores: the warp's stores, then a release of the signal);
@@ -25,6 +29,7 @@
 #include "barrier.cuh"
 #include "channels.cuh"
 #include "copy.cuh"
+#include "fp8.cuh"
 #include "internode.cuh"
 #include "placement.cuh"
 #include "ptx.cuh"
@@ -44,16 +49,17 @@ struct InternodeCall {
     InternodeHeap heap;
     RdmaChunks chunks;
     int nvl_slots;
-    int64_t slot;
+    int64_t slot;  // an NVLink slot (and an RDMA one but in the FP8 combine: heap.slot)
 
+    // fp8_combine: the RDMA rings in the FP8 combine's slots (fp8_combine_slot_bytes).
     __device__ InternodeCall(const PeersTable* peers_, int num_nodes_, int num_nvl_ranks_, int channel_,
                              int num_channels_, int expert_cap_, int hidden_, int num_topk_, int rdma_slots,
-                             int rdma_chunk, int nvl_slots_)
+                             int rdma_chunk, int nvl_slots_, bool fp8_combine = false)
         : peers(peers_), rank(peers_->rank), nvl_rank(peers_->nvl_rank), node(peers_->rank / num_nvl_ranks_),
           num_nodes(num_nodes_), num_nvl_ranks(num_nvl_ranks_), channel(channel_), num_channels(num_channels_),
           expert_cap(expert_cap_), hidden(hidden_), num_topk(num_topk_),
           heap(peers_->sym_base, num_nodes_ * num_nvl_ranks_, num_nodes_, expert_cap_, num_channels_, rdma_slots,
-               slot_bytes(hidden_, num_topk_)),
+               fp8_combine ? fp8_combine_slot_bytes(hidden_, num_topk_) : slot_bytes(hidden_, num_topk_)),
           chunks{rdma_chunk, rdma_slots / rdma_chunk}, nvl_slots(nvl_slots_), slot(slot_bytes(hidden_, num_topk_)) {}
 
     // The NVLink buffer of node peer j (mine: j = nvl_rank).
@@ -82,6 +88,12 @@ __device__ __forceinline__ int* msg_topk_idx(char* slot, int hidden) {
 }
 __device__ __forceinline__ float* msg_topk_weights(char* slot, int hidden, int num_topk) {
     return reinterpret_cast<float*>(slot + 16 + 2 * static_cast<int64_t>(hidden) + 4 * num_topk);
+}
+// Where a combine message holds its weights: a bf16 slot's topk_idx place, an FP8 RDMA slot's after the scales.
+template <bool kFp8>
+__device__ __forceinline__ float* msg_combine_weights(char* slot, int hidden) {
+    if constexpr (kFp8) return reinterpret_cast<float*>(slot + 16 + hidden + hidden / 32);
+    else return reinterpret_cast<float*>(msg_topk_idx(slot, hidden));
 }
 
 // Bit j: token t goes to rank j of node m (one load of the V bools).
@@ -121,7 +133,7 @@ __device__ __forceinline__ void put_chunk(const InternodeCall& call, int node_, 
     }
     const int64_t s = call.chunks.slot(from);
     rdma_put_signal_warp(call.peers, call.heap.recv_slot(call.channel, call.node, s),
-                         call.heap.send_slot(call.channel, node_, s), static_cast<size_t>((to - from) * call.slot),
+                         call.heap.send_slot(call.channel, node_, s), static_cast<size_t>((to - from) * call.heap.slot),
                          flag, static_cast<uint64_t>(to), SignalOp::kSet, call.rail_peer(node_), lane);
 }
 
@@ -860,16 +872,122 @@ __device__ void combine_nvl_senders(const InternodeCall& call, const int4* y, co
     }
 }
 
+// A reader's sum of token t's bf16 partials (internode_combine): lane m < N holds e (t's index in node m's stream,
+// or < 0: none) and base (where that stream starts in the ring m -> me).
+template <int kNumNodes>
+__device__ __forceinline__ void sum_partials_bf16(const InternodeCall& call, int e, int64_t base, const int4* bias0,
+                                                  const int4* bias1, int4* out_x, int t, int lane) {
+    constexpr int N = kNumNodes;
+    constexpr int kBatch = N < 8 ? N : 8;                  // nodes whose columns are loaded before any add
+    constexpr int kUnroll = 8 / kBatch > 0 ? 8 / kBatch : 1;  // columns a lane loads at once
+    const int row_int4 = call.hidden / 8;
+    for (int i0 = lane; i0 < row_int4; i0 += 32 * kUnroll) {
+        float acc[kUnroll][8];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+            for (int q = 0; q < 8; ++q) acc[u][q] = 0.0f;
+            const int i = i0 + 32 * u;
+            if (i < row_int4 && bias0 != nullptr) add_bf16x8(acc[u], bias0[static_cast<int64_t>(t) * row_int4 + i]);
+            if (i < row_int4 && bias1 != nullptr) add_bf16x8(acc[u], bias1[static_cast<int64_t>(t) * row_int4 + i]);
+        }
+#pragma unroll
+        for (int m0 = 0; m0 < N; m0 += kBatch) {
+            int4 v[kUnroll][kBatch];
+            const int4* rows[kBatch];
+#pragma unroll
+            for (int b = 0; b < kBatch; ++b) {
+                const int m = m0 + b;
+                const int em = __shfl_sync(kFullMask, e, m < N ? m : 0);
+                const int64_t bm = __shfl_sync(kFullMask, base, m < N ? m : 0);
+                rows[b] = m < N && em >= 0 ? msg_x(call.received_slot(m, bm + em)) : nullptr;
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+                for (int b = 0; b < kBatch; ++b)
+                    if (i0 + 32 * u < row_int4 && rows[b] != nullptr)
+                        v[u][b] = ptx::ld_volatile_global_v4(rows[b] + i0 + 32 * u);
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+                for (int b = 0; b < kBatch; ++b)
+                    if (i0 + 32 * u < row_int4 && rows[b] != nullptr) add_bf16x8(acc[u], v[u][b]);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+            if (i0 + 32 * u < row_int4)
+                ptx::st_global_L1_no_allocate_v4(out_x + static_cast<int64_t>(t) * row_int4 + i0 + 32 * u,
+                                                 pack_bf16x8(acc[u]));
+    }
+}
+
+// The same sum of FP8 partials (internode_combine_fp8): node m's slot holds e4m3 [H] at 16 and a float32 scale a
+// 128 channels after them; each lane adds its 8 channels' dequantised values (add_fp8x8: float32 products) in
+// float32 after the biases, the nodes ascending, as the bf16 sum does. The same bounds on every lane (shuffles).
+template <int kNumNodes>
+__device__ __forceinline__ void sum_partials_fp8(const InternodeCall& call, int e, int64_t base, const int4* bias0,
+                                                 const int4* bias1, int4* out_x, int t, int lane) {
+    constexpr int N = kNumNodes;
+    constexpr int kBatch = N < 8 ? N : 8;
+    constexpr int kUnroll = 8 / kBatch > 0 ? 8 / kBatch : 1;
+    const int row_int4 = call.hidden / 8;
+    for (int i0 = 0; i0 < row_int4; i0 += 32 * kUnroll) {
+        float acc[kUnroll][8];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+            for (int q = 0; q < 8; ++q) acc[u][q] = 0.0f;
+            const int i = i0 + 32 * u + lane;
+            if (i < row_int4 && bias0 != nullptr) add_bf16x8(acc[u], bias0[static_cast<int64_t>(t) * row_int4 + i]);
+            if (i < row_int4 && bias1 != nullptr) add_bf16x8(acc[u], bias1[static_cast<int64_t>(t) * row_int4 + i]);
+        }
+#pragma unroll
+        for (int m0 = 0; m0 < N; m0 += kBatch) {
+            uint2 q[kUnroll][kBatch];
+            float scale[kUnroll][kBatch];
+            char* slots[kBatch];
+#pragma unroll
+            for (int b = 0; b < kBatch; ++b) {
+                const int m = m0 + b;
+                const int em = __shfl_sync(kFullMask, e, m < N ? m : 0);
+                const int64_t bm = __shfl_sync(kFullMask, base, m < N ? m : 0);
+                slots[b] = m < N && em >= 0 ? call.received_slot(m, bm + em) : nullptr;
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+                for (int b = 0; b < kBatch; ++b) {
+                    const int i = i0 + 32 * u + lane;
+                    if (i < row_int4 && slots[b] != nullptr) {
+                        q[u][b] = ptx::ld_volatile_global_v2(reinterpret_cast<const uint2*>(msg_x(slots[b])) + i);
+                        scale[u][b] = ld_volatile_f32(msg_scales(slots[b], call.hidden) + i / 16);
+                    }
+                }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+                for (int b = 0; b < kBatch; ++b)
+                    if (i0 + 32 * u + lane < row_int4 && slots[b] != nullptr) add_fp8x8(acc[u], q[u][b], scale[u][b]);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = i0 + 32 * u + lane;
+            if (i < row_int4)
+                ptx::st_global_L1_no_allocate_v4(out_x + static_cast<int64_t>(t) * row_int4 + i, pack_bf16x8(acc[u]));
+        }
+    }
+}
+
 // A reader at home: token t's partials from every node it went to (chunk flags prove them), summed in float32 as
-// bias 0, bias 1, then the nodes ascending, rounded to bf16 once (the reference's internode formula).
-template <int kNumNodes, int kNumReaders>
+// bias 0, bias 1, then the nodes ascending, rounded to bf16 once (the reference's internode formula); kFp8: the
+// partials are FP8 (internode_combine_fp8).
+template <int kNumNodes, int kNumReaders, bool kFp8>
 __device__ void combine_readers(const InternodeCall& call, volatile int (*progress)[kNumNodes], volatile int* retired,
                                 const int* send_rdma_head, const int4* bias0, const int4* bias1, int4* out_x,
                                 float* out_topk_weights, int num_tokens, int reader, int lane) {
     constexpr int N = kNumNodes;
-    constexpr int kBatch = N < 8 ? N : 8;                  // nodes whose columns are loaded before any add
-    constexpr int kUnroll = 8 / kBatch > 0 ? 8 / kBatch : 1;  // columns a lane loads at once
-    const int c = call.channel, row_int4 = call.hidden / 8, K = call.num_topk;
+    const int c = call.channel, K = call.num_topk;
     const int64_t base = lane < N ? call.chunks.start(static_cast<int64_t>(call.ring(lane).head)) : 0;
     int begin, end;
     channel_range(num_tokens, call.num_channels, c, begin, end);
@@ -886,53 +1004,18 @@ __device__ void combine_readers(const InternodeCall& call, volatile int (*progre
                           });
         }
         __syncwarp();
-        for (int i0 = lane; i0 < row_int4; i0 += 32 * kUnroll) {
-            float acc[kUnroll][8];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-                for (int q = 0; q < 8; ++q) acc[u][q] = 0.0f;
-                const int i = i0 + 32 * u;
-                if (i < row_int4 && bias0 != nullptr) add_bf16x8(acc[u], bias0[static_cast<int64_t>(t) * row_int4 + i]);
-                if (i < row_int4 && bias1 != nullptr) add_bf16x8(acc[u], bias1[static_cast<int64_t>(t) * row_int4 + i]);
-            }
-#pragma unroll
-            for (int m0 = 0; m0 < N; m0 += kBatch) {
-                int4 v[kUnroll][kBatch];
-                const int4* rows[kBatch];
-#pragma unroll
-                for (int b = 0; b < kBatch; ++b) {
-                    const int m = m0 + b;
-                    const int em = __shfl_sync(kFullMask, e, m < N ? m : 0);
-                    const int64_t bm = __shfl_sync(kFullMask, base, m < N ? m : 0);
-                    rows[b] = m < N && em >= 0 ? msg_x(call.received_slot(m, bm + em)) : nullptr;
-                }
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-                    for (int b = 0; b < kBatch; ++b)
-                        if (i0 + 32 * u < row_int4 && rows[b] != nullptr)
-                            v[u][b] = ptx::ld_volatile_global_v4(rows[b] + i0 + 32 * u);
-#pragma unroll
-                for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-                    for (int b = 0; b < kBatch; ++b)
-                        if (i0 + 32 * u < row_int4 && rows[b] != nullptr) add_bf16x8(acc[u], v[u][b]);
-            }
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u)
-                if (i0 + 32 * u < row_int4)
-                    ptx::st_global_L1_no_allocate_v4(out_x + static_cast<int64_t>(t) * row_int4 + i0 + 32 * u,
-                                                     pack_bf16x8(acc[u]));
-        }
+        if constexpr (kFp8)
+            sum_partials_fp8<N>(call, e, base, bias0, bias1, out_x, t, lane);
+        else
+            sum_partials_bf16<N>(call, e, base, bias0, bias1, out_x, t, lane);
         if (out_topk_weights != nullptr) {
             float w = 0.0f;
             for (int m = 0; m < N; ++m) {
                 const int em = __shfl_sync(kFullMask, e, m);
                 const int64_t bm = __shfl_sync(kFullMask, base, m);
                 if (em >= 0 && lane < K)
-                    w += ld_volatile_f32(reinterpret_cast<float*>(msg_topk_idx(call.received_slot(m, bm + em),
-                                                                               call.hidden)) + lane);
+                    w += ld_volatile_f32(msg_combine_weights<kFp8>(call.received_slot(m, bm + em), call.hidden) +
+                                         lane);
             }
             if (lane < K) out_topk_weights[static_cast<int64_t>(t) * K + lane] = w;
         }
@@ -979,10 +1062,35 @@ __device__ void combine_head_coordinator(const InternodeCall& call, volatile int
     if (lane < N) call.ring(lane).head = static_cast<uint64_t>(final_head);
 }
 
+// The FP8 partial (internode_combine_fp8) of the rows `rows` (nullptr: none from that rank), into slot `out`: each
+// lane sums its 8 channels of every row in float32, the ranks ascending (as the bf16 partial), then its 16-lane block
+// of 128 channels takes the scale amax / 448 and the lane stores its 8 e4m3 (as the reference's
+// per_token_cast_to_fp8 of the float32 partial); the scales follow the H e4m3 bytes. The same bounds on every lane
+// (block128_scale shuffles); hidden % 128 == 0, so a 16-lane block is wholly in the row or wholly out.
+template <int kNumNvlRanks>
+__device__ __forceinline__ void quantize_partial(const int4* const* rows, char* out, int hidden, int lane) {
+    const int row_int4 = hidden / 8;
+    uint2* q = reinterpret_cast<uint2*>(msg_x(out));
+    float* scales = msg_scales(out, hidden);
+    for (int i0 = 0; i0 < row_int4; i0 += 32) {
+        const int i = i0 + lane;
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+        for (int j = 0; j < kNumNvlRanks; ++j)
+            if (i < row_int4 && rows[j] != nullptr) add_bf16x8(acc, ptx::ld_volatile_global_v4(rows[j] + i));
+        const float scale = block128_scale(acc);  // every lane
+        if (i < row_int4) {
+            q[i] = quantize_x8(acc, __fdiv_rn(1.0f, scale));
+            if (i % 16 == 0) scales[i / 16] = scale;
+        }
+    }
+}
+
 // One forwarded token's partial: its rows from my node (mine from y, the others' from sub-ring n of their regions in
-// my buffer, where send_nvl_head's receipts say) summed in float32 by rank, rounded to bf16, and their weights'
-// sum, into staging slot `out`. The whole warp; lane j < V holds the receipt of rank j and where its sub-ring starts.
-template <int kNumNodes, int kNumNvlRanks>
+// my buffer, where send_nvl_head's receipts say) summed in float32 by rank, rounded to bf16 (kFp8: quantised to
+// e4m3 with a float32 scale a 128 channels, no bf16 rounding between), and their weights' sum, into staging slot
+// `out`. The whole warp; lane j < V holds the receipt of rank j and where its sub-ring starts.
+template <int kNumNodes, int kNumNvlRanks, bool kFp8>
 __device__ void forward_partial(const InternodeCall& call, int n, char* out, const int4* y, const float* y_topk_weights,
                                 int own_rows, int receipt, int64_t nvl_base, int lane) {
     constexpr int N = kNumNodes, V = kNumNvlRanks;
@@ -1017,27 +1125,31 @@ __device__ void forward_partial(const InternodeCall& call, int n, char* out, con
             weights[j] = reinterpret_cast<const float*>(msg_topk_idx(slot, call.hidden));
         }
     }
-    for (int i = lane; i < row_int4; i += 32) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if constexpr (kFp8) {
+        quantize_partial<V>(rows, out, call.hidden, lane);
+    } else {
+        for (int i = lane; i < row_int4; i += 32) {
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
-        for (int j = 0; j < V; ++j)
-            if (rows[j] != nullptr) add_bf16x8(acc, ptx::ld_volatile_global_v4(rows[j] + i));
-        msg_x(out)[i] = pack_bf16x8(acc);
+            for (int j = 0; j < V; ++j)
+                if (rows[j] != nullptr) add_bf16x8(acc, ptx::ld_volatile_global_v4(rows[j] + i));
+            msg_x(out)[i] = pack_bf16x8(acc);
+        }
     }
     if (y_topk_weights != nullptr && lane < K) {
         float w = 0.0f;
 #pragma unroll
         for (int j = 0; j < V; ++j)
             if (weights[j] != nullptr) w += ld_volatile_f32(weights[j] + lane);
-        reinterpret_cast<float*>(msg_topk_idx(out, call.hidden))[lane] = w;
+        msg_combine_weights<kFp8>(out, call.hidden)[lane] = w;
     }
 }
 
 // Forwarding group for home node n: each token this rank forwarded from n on this channel, in RDMA order, as a
 // partial (forward_partial) into the ring back to n. Chunk q of the stream belongs to warp q % warps of the group,
 // which fills it and puts it (puts spread over the group's warps, as dispatch's senders do); after each round of
-// `warps` chunks the group meets, and the sub-rings' heads move past what the round consumed.
-template <int kNumNodes, int kNumNvlRanks>
+// `warps` chunks the group meets, and the sub-rings' heads move past what the round consumed. kFp8: FP8 partials.
+template <int kNumNodes, int kNumNvlRanks, bool kFp8>
 __device__ void combine_forward_node(const InternodeCall& call, int n, const int4* y, const float* y_topk_weights,
                                      const int* recv_channel_offset, const int* recv_rdma_channel,
                                      const int* send_nvl_head, int warps, int barrier, int warp_in_group, int lane) {
@@ -1074,8 +1186,8 @@ __device__ void combine_forward_node(const InternodeCall& call, int n, const int
             __syncwarp();
             for (int64_t k = k0; k < k1; ++k) {
                 const int receipt = lane < V ? send_nvl_head[(first + k) * V + lane] : -1;
-                forward_partial<kNumNodes, V>(call, n, call.staging_slot(n, base + k), y, y_topk_weights, own_rows,
-                                              receipt, nvl_base, lane);
+                forward_partial<kNumNodes, V, kFp8>(call, n, call.staging_slot(n, base + k), y, y_topk_weights,
+                                                    own_rows, receipt, nvl_base, lane);
             }
             __syncwarp();
             ptx::fence_acq_rel_gpu();  // the chunk's slots before the put (or flag) that carries them
@@ -1095,15 +1207,17 @@ __device__ void combine_forward_node(const InternodeCall& call, int n, const int
     if (warp_in_group == 0 && lane == 0) ring.tail = static_cast<uint64_t>(call.chunks.start(base + count));
 }
 
-template <int kNumNodes, int kNumNvlRanks, int kNumThreads, int kDispatchSendWarps, int kDispatchRecvWarps,
-          int kForwardWarps, int kCombineSendWarps, int kCombineForwardGroups>
-__global__ void __launch_bounds__(kNumThreads, 1)
-internode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y, const float* y_topk_weights,
-                  const int4* bias0, const int4* bias1, const int* rdma_channel_prefix, const int* recv_channel_offset,
-                  const int* recv_channel_count, const int* send_rdma_head, const int* recv_rdma_channel,
-                  const int* send_nvl_head, const int* dispatch_status, int4* out_x, float* out_topk_weights,
-                  int num_tokens, int hidden, int num_topk, int expert_cap, int num_channels, int rdma_slots,
-                  int rdma_chunk, int nvl_slots, int nvl_chunk) {
+// Both combines: bf16 (kFp8 false: internode_combine) and FP8 partials on the RDMA leg (internode_combine_fp8).
+template <int kNumNodes, int kNumNvlRanks, int kNumThreads, int kCombineSendWarps, int kCombineForwardGroups,
+          bool kFp8>
+__device__ __forceinline__ void combine(const PeersTable* peers, ChannelClaims* claims, const int4* y,
+                                        const float* y_topk_weights, const int4* bias0, const int4* bias1,
+                                        const int* rdma_channel_prefix, const int* recv_channel_offset,
+                                        const int* recv_channel_count, const int* send_rdma_head,
+                                        const int* recv_rdma_channel, const int* send_nvl_head,
+                                        const int* dispatch_status, int4* out_x, float* out_topk_weights,
+                                        int num_tokens, int hidden, int num_topk, int expert_cap, int num_channels,
+                                        int rdma_slots, int rdma_chunk, int nvl_slots, int nvl_chunk) {
     constexpr int N = kNumNodes, V = kNumNvlRanks, kNumWarps = kNumThreads / 32;
     constexpr int kSenders = (V - 1) * kCombineSendWarps, kReaders = kNumWarps - kSenders - 1;
     constexpr int kGroupWarps = kNumWarps / kCombineForwardGroups;
@@ -1113,7 +1227,7 @@ internode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y,
     const int claimed = claim_channel(claims, peers, 2 * num_channels);
     if (claimed < 0) return;
     const InternodeCall call(peers, N, V, claimed / 2, num_channels, expert_cap, hidden, num_topk, rdma_slots,
-                             rdma_chunk, nvl_slots);
+                             rdma_chunk, nvl_slots, kFp8);
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
     if (claimed % 2 == 0) {
         __shared__ volatile int progress[kReaders][N];
@@ -1128,8 +1242,8 @@ internode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y,
         } else if (warp == kSenders) {
             combine_head_coordinator<N, kReaders>(call, progress, retired, rdma_channel_prefix, lane);
         } else {
-            combine_readers<N, kReaders>(call, progress, retired, send_rdma_head, bias0, bias1, out_x,
-                                         out_topk_weights, num_tokens, warp - kSenders - 1, lane);
+            combine_readers<N, kReaders, kFp8>(call, progress, retired, send_rdma_head, bias0, bias1, out_x,
+                                               out_topk_weights, num_tokens, warp - kSenders - 1, lane);
         }
         return;
     }
@@ -1138,8 +1252,40 @@ internode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y,
     // Home nodes in increasing order, as every NVLink sender sends them: a group never waits for a sub-ring whose
     // sender waits for another sub-ring of the same group.
     for (int n = group; n < N; n += kCombineForwardGroups)
-        combine_forward_node<N, V>(call, n, y, y_topk_weights, recv_channel_offset, recv_rdma_channel, send_nvl_head,
-                                   kGroupWarps, 1 + group, warp % kGroupWarps, lane);
+        combine_forward_node<N, V, kFp8>(call, n, y, y_topk_weights, recv_channel_offset, recv_rdma_channel,
+                                         send_nvl_head, kGroupWarps, 1 + group, warp % kGroupWarps, lane);
+}
+
+template <int kNumNodes, int kNumNvlRanks, int kNumThreads, int kDispatchSendWarps, int kDispatchRecvWarps,
+          int kForwardWarps, int kCombineSendWarps, int kCombineForwardGroups>
+__global__ void __launch_bounds__(kNumThreads, 1)
+internode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y, const float* y_topk_weights,
+                  const int4* bias0, const int4* bias1, const int* rdma_channel_prefix, const int* recv_channel_offset,
+                  const int* recv_channel_count, const int* send_rdma_head, const int* recv_rdma_channel,
+                  const int* send_nvl_head, const int* dispatch_status, int4* out_x, float* out_topk_weights,
+                  int num_tokens, int hidden, int num_topk, int expert_cap, int num_channels, int rdma_slots,
+                  int rdma_chunk, int nvl_slots, int nvl_chunk) {
+    combine<kNumNodes, kNumNvlRanks, kNumThreads, kCombineSendWarps, kCombineForwardGroups, false>(
+        peers, claims, y, y_topk_weights, bias0, bias1, rdma_channel_prefix, recv_channel_offset, recv_channel_count,
+        send_rdma_head, recv_rdma_channel, send_nvl_head, dispatch_status, out_x, out_topk_weights, num_tokens, hidden,
+        num_topk, expert_cap, num_channels, rdma_slots, rdma_chunk, nvl_slots, nvl_chunk);
+}
+
+// The FP8 combine (Buffer.combine(..., use_fp8=True) across nodes): a build of its own (InternodeCombineFp8Spec),
+// launched only with hidden % 128 == 0, on the bf16 combine's rings, receipts and roles; its RDMA slots are
+// fp8_combine_slot_bytes.
+template <int kNumNodes, int kNumNvlRanks, int kNumThreads, int kCombineSendWarps, int kCombineForwardGroups>
+__global__ void __launch_bounds__(kNumThreads, 1)
+internode_combine_fp8(const PeersTable* peers, ChannelClaims* claims, const int4* y, const float* y_topk_weights,
+                      const int4* bias0, const int4* bias1, const int* rdma_channel_prefix,
+                      const int* recv_channel_offset, const int* recv_channel_count, const int* send_rdma_head,
+                      const int* recv_rdma_channel, const int* send_nvl_head, const int* dispatch_status, int4* out_x,
+                      float* out_topk_weights, int num_tokens, int hidden, int num_topk, int expert_cap,
+                      int num_channels, int rdma_slots, int rdma_chunk, int nvl_slots, int nvl_chunk) {
+    combine<kNumNodes, kNumNvlRanks, kNumThreads, kCombineSendWarps, kCombineForwardGroups, true>(
+        peers, claims, y, y_topk_weights, bias0, bias1, rdma_channel_prefix, recv_channel_offset, recv_channel_count,
+        send_rdma_head, recv_rdma_channel, send_nvl_head, dispatch_status, out_x, out_topk_weights, num_tokens, hidden,
+        num_topk, expert_cap, num_channels, rdma_slots, rdma_chunk, nvl_slots, nvl_chunk);
 }
 
 }  // namespace epjit

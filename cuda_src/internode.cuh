@@ -42,6 +42,10 @@
 //   16        x: bf16 [H], or e4m3 [H] then float scales [H / 128] at 16 + H
 //   16 + 2H   int32 topk_idx [K] (global ids, -1: none), then float topk_weights [K]
 //   combine:  bf16 row [H] at 16, float topk_weights [K] at 16 + 2H
+// The FP8 combine (internode_combine_fp8) keeps these NVLink slots (bf16 rows) but lays its RDMA rings out in slots
+// of D8 = fp8_combine_slot_bytes(hidden, K): the header's 16 bytes (unused), e4m3 [H] at 16, float scales [H / 128]
+// at 16 + H, float topk_weights [K] at 16 + H + H / 32; a ring drains before its other mode writes it, so the two
+// slot sizes never share a stream.
 // RDMA token {t, mask (bit j: rank j of the node wants it), kMsgToken, 0}; RDMA meta, a stream's first message
 // {tokens in the stream, my tokens for the node in earlier channels, kMsgMeta, 0} + int32 start[V], count[V] (my
 // tokens for each rank of the node in earlier channels, in this one). NVLink token {t, source node, kMsgToken,
@@ -82,6 +86,11 @@ static_assert(sizeof(NvlRing) == 528, "NvlRing layout is mirrored in epjit/kerne
 
 __host__ __device__ constexpr int64_t slot_bytes(int hidden, int num_topk) {
     return align_to(16 + 2 * static_cast<int64_t>(hidden) + 8 * static_cast<int64_t>(num_topk), 16);
+}
+// A slot of the FP8 combine's RDMA rings: a partial as e4m3 and its scales a 128 channels (hidden % 128 == 0).
+__host__ __device__ constexpr int64_t fp8_combine_slot_bytes(int hidden, int num_topk) {
+    return align_to(16 + static_cast<int64_t>(hidden) + static_cast<int64_t>(hidden) / 32 +
+                        4 * static_cast<int64_t>(num_topk), 16);
 }
 // int32 of one notify message over RDMA (to a rail peer) and over NVLink (to a node peer), for up to expert_cap
 // experts: meta[8] counts[R] node_counts[N] experts[E/N]; metas[8N] rows[R] forwarded[N] counts[N] experts[E/R].

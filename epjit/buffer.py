@@ -211,8 +211,9 @@ class Buffer:
                 config: Config | None = None, previous_event: Event | None = None,
                 async_finish: bool = False, *, use_fp8: bool = False) -> CombineResult:
         """For each original token, the sum of the rows the ranks send back for it (+ bias): dispatch's adjoint.
-        ``use_fp8=True`` (inside one NVLink node, hidden % 128 == 0): the rows travel as e4m3 with a float32 scale a
-        128 channels and are summed in float32 from their dequantised values (docs/api.md: combine)."""
+        ``use_fp8=True`` (hidden % 128 == 0): the rows travel as e4m3 with a float32 scale a 128 channels and are
+        summed in float32 from their dequantised values; across NVLink nodes, each node's float32 partial crosses
+        the network that way (docs/api.md: combine)."""
         return self._normal.combine(y, handle, topk_weights, bias, config, previous_event, async_finish, use_fp8)
 
     # ------------------------------------------------------------------------------------------------ low latency

@@ -656,7 +656,7 @@ def test_new_modes_time_their_operation():
     for mode in ("layout-dispatch", "cached-dispatch-fp8"):
         assert bench.case_config(mode, 2, 24, 0, 0) == bench.case_config("dispatch", 2, 24, 0, 0), mode
     assert bench.case_config("combine-fp8", 4, 24, 0, 0) == bench.case_config("combine", 4, 24, 0, 0)
-    assert "inside one NVLink node only" in bench.topology_problem(4, 2, ["combine", "combine-fp8"])
+    assert bench.topology_problem(4, 2, ["combine", "combine-fp8"]) is None  # across NVLink nodes too
     assert bench.case_config("combine", 2, 24, 0, 0) != bench.case_config("cached-dispatch", 2, 24, 0, 0)
 
 

@@ -1,15 +1,16 @@
 """GPU tier of normal mode across NVLink nodes: tests/ranks/intranode.py's every case against epjit.reference (its
 two-level combine) on virtual nodes of one host (num_nvl_ranks below the ranks: the RDMA leg goes through NVSHMEM
 puts as on a cluster), 2 x 1, 2 x 2, 4 x 1 and, with ranks sharing the GPUs, 2 x 4 and 4 x 2; up to 4 ranks again
-with the RDMA leg as NVLink stores and no NVSHMEM (EPJIT_RDMA_BY_STORES); a CUDA graph of worst-token calls; a rail
-peer that never arrives."""
+with the RDMA leg as NVLink stores and no NVSHMEM (EPJIT_RDMA_BY_STORES); each case also the FP8 combine
+(use_fp8=True), bit for bit the reference's, and its calc_diff against the bf16 combine; a CUDA graph of
+worst-token calls; a rail peer that never arrives."""
 
 from __future__ import annotations
 
 import pytest
 
 from .gpu import placement, quick, run_ranks
-from .test_gpu_intranode import assert_normal_results
+from .test_gpu_intranode import assert_fp8_combine_results, assert_normal_results
 
 pytestmark = pytest.mark.gpu
 
@@ -32,7 +33,7 @@ def test_internode_against_reference(n, nvl_ranks, shared):
     assert_normal_results(results, n)
     for r in results:
         assert r["kernels"].startswith(f"internode.num_nodes={n // nvl_ranks},num_nvl_ranks={nvl_ranks}"), r
-        assert "inside one NVLink node only" in r["refused"]["combine_fp8"], r["refused"]
+    assert_fp8_combine_results(results)  # each node's partial quantised once: the reference's two-level FP8 sum
     print("\n".join(str(r) for r in results))
 
 
@@ -50,7 +51,8 @@ def test_internode_with_the_rdma_leg_as_nvlink_stores_against_reference(n, nvl_r
     assert_normal_results(results, n)
     for r in results:
         assert r["symmetric"] == "IpcHeap" and r["nvshmem_initialised"] == 0, r
-        assert set(r["modules"]) == {"internode_stores"}, r
+        assert set(r["modules"]) == {"internode_stores", "internode_combine_fp8_stores"}, r
+    assert_fp8_combine_results(results)
     print("\n".join(str(r) for r in results))
 
 

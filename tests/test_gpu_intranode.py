@@ -22,12 +22,18 @@ def test_intranode_against_reference(n, shared):
     assert code == 0, output[-8000:]
     assert len(results) == n, output[-4000:]
     assert_normal_results(results, n)
-    for r in results:  # every case also ran the FP8 combine, bit for bit the reference's
+    assert_fp8_combine_results(results)
+    print("\n".join(str(r) for r in results))
+
+
+def assert_fp8_combine_results(results: list[dict]) -> None:
+    """Every case of tests/ranks/intranode.py also ran the FP8 combine, bit for bit the reference's; its largest
+    calc_diff against the bf16 combine is printed."""
+    for r in results:
         assert r["fp8_combine"]["cases"] > 0, r
         assert "needs hidden % 128 == 0" in r["refused"]["combine_fp8"], r["refused"]
         print(f"rank {r['rank']}: FP8 combine of {r['fp8_combine']['cases']} cases, largest calc_diff against the "
               f"bf16 combine {r['fp8_combine']['max_calc_diff']:.2e}")
-    print("\n".join(str(r) for r in results))
 
 
 def assert_normal_results(results: list[dict], n: int) -> None:

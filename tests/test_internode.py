@@ -47,6 +47,11 @@ def test_message_and_notify_sizes_mirror_the_header():
     assert "kInternodeMetaInts + num_ranks + num_nodes + expert_cap / num_nodes, 4" in HEADER
     assert "10 * num_nodes + num_ranks + expert_cap / num_ranks, 4" in HEADER
     assert k.slot_bytes(7168, 8) == 16 + 2 * 7168 + 64 and k.slot_bytes(7, 1) == 48
+    # the FP8 combine's RDMA slot: header, e4m3 [H], scales [H / 128], weights [K]; about half the bf16 slot
+    assert "align_to(16 + static_cast<int64_t>(hidden) + static_cast<int64_t>(hidden) / 32 +\n" \
+           "                        4 * static_cast<int64_t>(num_topk), 16)" in HEADER
+    assert k.fp8_combine_slot_bytes(7168, 8) == 16 + 7168 + 7168 // 32 + 32 and k.fp8_combine_slot_bytes(128, 1) == 160
+    assert k.fp8_combine_slot_bytes(7168, 8) / k.slot_bytes(7168, 8) < 0.52
     assert k.notify_rdma_ints(16, 2, 4096) == 2076  # 8 + 16 + 2 + 2048, to a multiple of 4
     assert k.notify_nvl_ints(16, 2, 4096) == 20 + 16 + 256
 

@@ -100,9 +100,6 @@ def topology_problem(num_ranks: int | None, num_nvl_ranks: int | None, modes: li
                 "internode leg's ceiling is --put-ceiling)")
     if warp_roles.strip():
         return "--warp-roles are the intranode kernels' fields: not with --num-nvl-ranks below the ranks"
-    if "combine-fp8" in modes:
-        return ("combine-fp8: the FP8 normal combine is inside one NVLink node only: not with --num-nvl-ranks below "
-                "the ranks")
     if "ll-combine-logfmt" in modes:
         return ("ll-combine-logfmt: the LogFMT combine runs only where every peer is an NVLink pointer, and across "
                 "NVLink nodes the low-latency kernels have a put path: not with --num-nvl-ranks below the ranks")

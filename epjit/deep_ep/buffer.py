@@ -367,7 +367,7 @@ class Buffer:
                 allocate_on_comm_stream: bool = False, *, use_fp8: bool = False) -> tuple[Any, Any, EventOverlap]:
         """(combined_x, combined_topk_weights, event): for each original token the sum of the rows the ranks send
         back for it, plus bias (one tensor or a pair). ``use_fp8=True``, an epjit extension DeepEP does not have:
-        the rows travel as FP8 (epjit.Buffer.combine's use_fp8; inside one NVLink node)."""
+        the rows travel as FP8 (epjit.Buffer.combine's use_fp8; across NVLink nodes, each node's partial)."""
         normal = self._normal_buffer()
         c = normal.combine(x, _epjit_handle(handle, NormalHandle, "combine"), topk_weights=topk_weights, bias=bias,
                            config=self._config(config, "combine"), previous_event=previous_event_of(previous_event),

@@ -15,6 +15,7 @@ from typing import Any
 from ..arrays import address, check, fingerprint, kernel_array
 from ..config import Config, check_internode_need, config_key, expert_cap, get_combine_config, get_dispatch_config
 from ..errors import ArgumentError, ArgumentTypeError, check_flag, check_int, with_rank
+from ..kernels.internode import internode_combine_fp8_spec
 from ..kernels.intranode import combine_fp8_spec
 from ..ops.internode import Internode
 from ..ops.intranode import Intranode
@@ -318,11 +319,13 @@ class IntranodeFront:
         self._check_need(config, handle.hidden, handle.num_topk, 0, False, "combine")
         kind = "torch" if y_info.framework == "torch" and previous_event is None else "cupy"
         spec = self._spec_of(config)
-        plan = self.ops.combine_plan(y_info.framework, kind, combine_fp8_spec(spec) if fp8 else spec, config, handle,
-                                     topk_weights is not None)
+        plan = self.ops.combine_plan(y_info.framework, kind, self._combine_fp8_spec(spec) if fp8 else spec, config,
+                                     handle, topk_weights is not None)
         if not isinstance(bias, (tuple, list)):
             biases = bias if bias is None else biases[0]  # type: ignore[assignment]
         return self.plans.remember(key, plan), kernel_array(y, y_info, "y"), topk_weights, biases
+
+    _combine_fp8_spec = staticmethod(combine_fp8_spec)  # the FP8 combine of this family's spec
 
     def _check_combine_fp8(self, hidden: int) -> None:
         """Refuse an FP8 combine of rows it cannot quantise (a scale a 128 channels)."""
@@ -345,10 +348,7 @@ class InternodeFront(IntranodeFront):
     def _spec_of(self, config: Config) -> Any:
         return config.internode_spec(self.num_ranks, self.num_nvl_ranks)
 
-    def _check_combine_fp8(self, hidden: int) -> None:
-        raise ArgumentError(with_rank("combine with use_fp8=True is inside one NVLink node only for now: this "
-                                      f"Buffer spans {self.num_ranks // self.num_nvl_ranks} nodes (use_fp8=False "
-                                      "sends bf16)"))
+    _combine_fp8_spec = staticmethod(internode_combine_fp8_spec)
 
     def _check_need(self, config: Config, hidden: int, num_topk: int, num_experts: int, fp8: bool,
                     what: str) -> None:

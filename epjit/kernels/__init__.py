@@ -11,11 +11,14 @@ from ..env import codegen_settings, settings
 from ..jit import JitConfig, KernelSet, KernelSpec
 from .foundation import BarrierSpec, PutSignalCheckSpec
 from .internode import (
+    InternodeCombineFp8Spec,
+    InternodeCombineFp8StoresSpec,
     InternodeNotifySpec,
     InternodeNotifyStoresSpec,
     InternodeSpec,
     InternodeStoresSpec,
     by_stores,
+    internode_combine_fp8_spec,
     internode_spec,
 )
 from .intranode import (
@@ -37,6 +40,8 @@ from .low_latency import (
 
 __all__ = [
     "BarrierSpec",
+    "InternodeCombineFp8Spec",
+    "InternodeCombineFp8StoresSpec",
     "InternodeNotifySpec",
     "InternodeNotifyStoresSpec",
     "InternodeSpec",
@@ -56,6 +61,7 @@ __all__ = [
     "check_specs",
     "combine_fp8_spec",
     "cuda_sources",
+    "internode_combine_fp8_spec",
     "internode_spec",
     "intranode_spec",
     "jit_config",
@@ -103,6 +109,7 @@ def check_specs() -> list[KernelSpec]:
     # Across NVLink nodes: the topologies the GPU tier runs (nodes x ranks a node), through NVSHMEM and with the
     # RDMA leg as NVLink stores (virtual nodes on one host).
     for nodes, nvl_ranks in ((2, 1), (4, 1), (2, 2), (2, 4), (4, 2)):
-        pair = [InternodeNotifySpec(nodes, nvl_ranks), internode_spec(nodes, nvl_ranks)]
-        specs += pair + [by_stores(spec) for spec in pair]
+        spec = internode_spec(nodes, nvl_ranks)
+        family = [InternodeNotifySpec(nodes, nvl_ranks), spec, internode_combine_fp8_spec(spec)]
+        specs += family + [by_stores(s) for s in family]
     return specs

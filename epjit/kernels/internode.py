@@ -136,9 +136,50 @@ class InternodeStoresSpec(InternodeSpec):
     USES_NVSHMEM = False
 
 
-def by_stores(spec: InternodeNotifySpec | InternodeSpec) -> InternodeNotifySpec | InternodeSpec:
+@dataclass(frozen=True)
+class InternodeCombineFp8Spec(KernelSpec):
+    """cuda_src/internode.cu's FP8 combine (Buffer.combine(..., use_fp8=True) across nodes): the bf16 combine's
+    rings, receipts and warp roles, but each forwarder quantises its float32 partial to e4m3 with a float32 scale a
+    128 channels for the RDMA leg (slots of fp8_combine_slot_bytes) and the readers sum the dequantised partials in
+    float32. A build of its own, so the bf16 combine's module stays as it is and this one compiles only where it
+    runs; :func:`internode_combine_fp8_spec` gives the one of an
+    InternodeSpec."""
+
+    num_nodes: int
+    num_nvl_ranks: int
+    num_threads: int
+    combine_send_warps: int
+    combine_forward_groups: int
+
+    SOURCE = "internode.cu"
+    BUILD = "internode_combine_fp8"
+    USES_NVSHMEM = True
+    KERNELS = {"internode_combine_fp8": InternodeSpec.KERNELS["internode_combine"]}
+
+
+@dataclass(frozen=True)
+class InternodeCombineFp8StoresSpec(InternodeCombineFp8Spec):
+    """The FP8 combine built with the RDMA leg as NVLink stores (EPJIT_RDMA_BY_STORES). No NVSHMEM library."""
+
+    DEFINES = ("EPJIT_RDMA_BY_STORES",)
+    BUILD = "internode_combine_fp8_stores"
+    USES_NVSHMEM = False
+
+
+def internode_combine_fp8_spec(spec: InternodeSpec) -> InternodeCombineFp8Spec:
+    """The FP8 combine with the topology and combine warp roles of ``spec`` (its stores build: ``spec``'s)."""
+    fp8 = InternodeCombineFp8StoresSpec if isinstance(spec, InternodeStoresSpec) else InternodeCombineFp8Spec
+    return fp8(spec.num_nodes, spec.num_nvl_ranks, spec.num_threads, spec.combine_send_warps,
+               spec.combine_forward_groups)
+
+
+_STORES: dict[type, type] = {InternodeNotifySpec: InternodeNotifyStoresSpec, InternodeSpec: InternodeStoresSpec,
+                             InternodeCombineFp8Spec: InternodeCombineFp8StoresSpec}
+
+
+def by_stores(spec: InternodeNotifySpec | InternodeSpec | InternodeCombineFp8Spec) -> KernelSpec:
     """The same kernels at the same instantiation, built with the RDMA leg as NVLink stores."""
-    stores = InternodeStoresSpec if isinstance(spec, InternodeSpec) else InternodeNotifyStoresSpec
+    stores = next(stores for family, stores in _STORES.items() if isinstance(spec, family))
     return stores(**{f.name: getattr(spec, f.name) for f in fields(spec)})
 
 
@@ -171,6 +212,12 @@ def _align(n: int, a: int) -> int:
 def slot_bytes(hidden: int, num_topk: int) -> int:
     """One message slot (slot_bytes of internode.cuh): a 16-byte header, a bf16 row, top-k ids and weights."""
     return _align(16 + 2 * hidden + 8 * num_topk, 16)
+
+
+def fp8_combine_slot_bytes(hidden: int, num_topk: int) -> int:
+    """One RDMA slot of the FP8 combine (fp8_combine_slot_bytes of internode.cuh): the header, e4m3 [H], float
+    scales [H / 128], weights [K]: what crosses between nodes a forwarded token."""
+    return _align(16 + hidden + hidden // 32 + 4 * num_topk, 16)
 
 
 def notify_rdma_ints(num_ranks: int, num_nodes: int, expert_cap: int) -> int:

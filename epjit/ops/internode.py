@@ -27,6 +27,7 @@ from ..config import Config
 from ..jit import Module
 from ..kernels.internode import (
     NUM_THREADS,
+    InternodeCombineFp8Spec,
     InternodeNotifySpec,
     InternodeSpec,
     by_stores,
@@ -127,7 +128,7 @@ class Internode(Intranode):
         spec = InternodeNotifySpec(self.num_nodes, self.num_nvl_ranks)
         return by_stores(spec) if self.by_stores else spec
 
-    def module(self, spec: InternodeSpec) -> Module:
+    def module(self, spec: InternodeSpec | InternodeCombineFp8Spec) -> Module:
         return super().module(by_stores(spec) if self.by_stores else spec)
 
     # ---------------------------------------------------------------------------------------------------- plans
@@ -150,11 +151,13 @@ class Internode(Intranode):
         # run num_sms / 2 channels of two blocks each.
         return self._plan(s, config.num_sms, notify, dispatch, module)
 
-    def combine_plan(self, framework: str, kind: str, spec: InternodeSpec, config: Config, handle: DispatchHandle,
-                     with_weights: bool) -> CombinePlan:
+    def combine_plan(self, framework: str, kind: str, spec: InternodeSpec | InternodeCombineFp8Spec,
+                     config: Config, handle: DispatchHandle, with_weights: bool) -> CombinePlan:
+        """A combine's plan: bf16 with an InternodeSpec, FP8 partials (internode_combine_fp8) with its own spec."""
         module = self.module(spec)
+        kernel = "internode_combine_fp8" if isinstance(spec, InternodeCombineFp8Spec) else "internode_combine"
         args = module.spec.args(
-            "internode_combine", peers=self.mem.table_ptr, claims=self.claims[1], num_tokens=handle.num_tokens,
+            kernel, peers=self.mem.table_ptr, claims=self.claims[1], num_tokens=handle.num_tokens,
             hidden=handle.hidden, num_topk=handle.num_topk, expert_cap=self.expert_cap,
             num_channels=handle.num_channels // 2, rdma_slots=config.rdma_chunk_recv,
             rdma_chunk=config.rdma_chunk_send, nvl_slots=config.nvl_chunk_recv, nvl_chunk=config.nvl_chunk_send)

@@ -362,14 +362,15 @@ def _add_returned_rows(
     return touched
 
 
-def _fp8_round_trips(ys: list[np.ndarray], hidden: int, nvl: int | None, num_ranks: int) -> list[np.ndarray]:
-    """Each rank's rows as an FP8 combine sends them: quantised and dequantised (float32), row by row."""
-    check_hidden_fp8(hidden, "ys")
-    if nvl is not None:
-        raise argument_error(f"use_fp8=True is inside one NVLink node only for now, but num_nvl_ranks={nvl} "
-                             f"splits the {num_ranks} ranks into {num_ranks // nvl} nodes")
+def _fp8_round_trip(rows: np.ndarray) -> np.ndarray:
+    """Rows (bf16 or float32 ``[n, H]``) as an FP8 combine sends them: quantised and dequantised (float32)."""
+    return fp8_to_float(*per_token_cast_to_fp8(rows))
+
+
+def _fp8_round_trips(ys: list[np.ndarray]) -> list[np.ndarray]:
+    """Each rank's rows as the FP8 combine inside one node sends them, row by row."""
     with np.errstate(invalid="ignore", over="ignore"):  # padding rows (never summed) may hold anything
-        return [fp8_to_float(*per_token_cast_to_fp8(y)) for y in ys]
+        return [_fp8_round_trip(y) for y in ys]
 
 
 def combine(
@@ -406,10 +407,16 @@ def combine(
     rounded to bf16; since each rank holds 0 outside its own experts, this gives back the original weights of the
     slots that named an expert (slots that were -1 come back as 0). ``num_nvl_ranks`` must divide ``R``.
 
-    ``use_fp8=True`` (``Buffer.combine(..., use_fp8=True)``; one NVLink node, ``H % 128 == 0``): every row returned
-    is replaced by its FP8 round trip before the sum above, ``fp8_to_float(*per_token_cast_to_fp8(row))`` (e4m3 with
-    a float32 scale ``amax / 448`` a 128 channels, unrounded; the dequantised value a float32 product), whichever
-    rank it comes from, the rank's own included. Bias and weights are not quantised.
+    ``use_fp8=True`` (``Buffer.combine(..., use_fp8=True)``; ``H % 128 == 0``) quantises what crosses the costly
+    link, as ``fp8_to_float(*per_token_cast_to_fp8(v))`` (e4m3 with a float32 scale ``amax / 448`` a 128 channels,
+    unrounded; the dequantised value a float32 product). Inside one NVLink node every row returned is replaced by
+    its round trip before the sum above, whichever rank it comes from, the rank's own included. Across nodes the
+    rows are summed as they are and each node's float32 partial takes the round trip in place of its bf16 rounding
+    (every node's, the home node's own included)::
+
+            acc += fp8_to_float(*per_token_cast_to_fp8(p))
+
+    With ``V = 1`` both give the same bits. Bias and weights are not quantised.
     """
     handles = per_rank("handles", handles)
     num_ranks = len(handles)
@@ -418,8 +425,11 @@ def combine(
     _check_handles(handles)
     ys_in, weights_in = _check_combine_inputs(ys, handles, topk_weights)
     hidden = ys_in[0].shape[1]
-    if check_flag(use_fp8, "use_fp8"):
-        ys_in = _fp8_round_trips(ys_in, hidden, nvl, num_ranks)
+    fp8 = check_flag(use_fp8, "use_fp8")
+    if fp8:
+        check_hidden_fp8(hidden, "ys")
+        if nvl is None:
+            ys_in = _fp8_round_trips(ys_in)
     num_tokens = [h.is_token_in_rank.shape[0] for h in handles]
     acc = _combine_bias(bias, num_tokens, hidden)
     weights_acc = None
@@ -436,7 +446,8 @@ def combine(
             w_partial = None if w_acc is None else np.zeros_like(w_acc)
             ranks = range(m * nvl, (m + 1) * nvl)
             touched = _add_returned_rows(partial, w_partial, s, ranks, handles, ys_in, weights_in)
-            acc[s][touched] += partial[touched].astype(BF16).astype(np.float32)
+            sent = partial[touched]
+            acc[s][touched] += _fp8_round_trip(sent) if fp8 else sent.astype(BF16).astype(np.float32)
             if w_acc is not None and w_partial is not None:
                 w_acc[touched] += w_partial[touched]
 

@@ -194,22 +194,20 @@ def run_case(
                               num_nvl_ranks=NVL_RANKS)
     same("combined_x", to_numpy(c.x), c_ref[rank].x)
     same("combined_topk_weights", to_numpy(c.topk_weights), c_ref[rank].topk_weights)
-    if NVL_RANKS is not None:  # the FP8 combine is one node's only
-        return {"recv": m}
-    # The FP8 combine of the same rows: bit for bit the reference's (quantisation exact, the sum in its order), and
-    # its distance from the bf16 combine (DeepEP's calc_diff) reported.
+    # The FP8 combine of the same rows: bit for bit the reference's (quantisation exact, the sum in its order; across
+    # nodes each node's partial quantised once), and its distance from the bf16 combine (DeepEP's calc_diff) reported.
     c8 = buf.combine(to_torch(y_local), d.handle, topk_weights=d.topk_weights, bias=bias_t,
                      config=small_config(R, sms) if sms else None, use_fp8=True)
     c8_ref = reference.combine(ys, [h.handle for h in ref], topk_weights=[h.topk_weights for h in ref],
-                               bias=biases, use_fp8=True)
+                               bias=biases, num_nvl_ranks=NVL_RANKS, use_fp8=True)
     same("combined_x (use_fp8)", to_numpy(c8.x), c8_ref[rank].x)
     same("combined_topk_weights (use_fp8)", to_numpy(c8.topk_weights), c8_ref[rank].topk_weights)
     return {"recv": m, "fp8_calc_diff": reference.calc_diff(to_numpy(c8.x), to_numpy(c.x))}
 
 
 def fp8_combine_refusal(buf, group) -> None:
-    """What use_fp8=True refuses: hidden % 128 != 0 inside one node (2056), any hidden across nodes."""
-    x = torch.randn(64, 2048 if group.num_nvl_ranks < group.size else 2056, device="cuda").to(torch.bfloat16)
+    """What use_fp8=True refuses: hidden % 128 != 0 (2056), inside one node and across nodes."""
+    x = torch.randn(64, 2056, device="cuda").to(torch.bfloat16)
     d = buf.dispatch(x, topk_idx=torch.randint(0, 64, (64, 4), device="cuda"), num_experts=64)
     buf.combine(d.x, d.handle, use_fp8=True)
 
