@@ -211,6 +211,22 @@ def test_compile_error_shows_file_and_line(tmp_path, monkeypatch):
     assert dumped.is_file() and "undeclared_thing" in dumped.read_text()
 
 
+def test_a_compile_with_an_empty_log_leaves_pythons_shared_bytes_alone(tmp_path):
+    """NVRTC writes its log (one NUL when empty) into the buffer it is given: bytes of length one would be CPython's
+    shared b" " object, overwritten for the whole process. Checked in a fresh interpreter, after a clean compile."""
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) not installed")
+    code = (
+        "import pathlib, sys\n"
+        "from epjit.jit.compiler import nvrtc_compile\n"
+        "src = 'extern \"C\" __global__ void fill(int* out, int v) { out[threadIdx.x] = v; }'\n"
+        f"where = pathlib.Path({str(tmp_path)!r}) / 'x'\n"
+        "cubin, _, log = nvrtc_compile(src, 'fill.cu', 'fill', {}, ['-arch=sm_90'], where)\n"
+        "print(repr(log), cubin[:4] == b'\\x7fELF', bytes.fromhex('20')[0])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["''", "True", "32"], out.stdout
+
+
 def _race_worker(args: tuple[str, str]) -> str:
     cache, src = args
     import os

@@ -228,7 +228,10 @@ def nvrtc_compile(source: str, program_name: str, what: str, expressions: dict[s
                 raise CompileError(f"nvrtcAddNameExpression({expr}) failed: {err}")
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
         _, log_size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log_bytes = b" " * log_size
+        # NVRTC writes into the buffers it is given: a fresh bytearray each, never bytes. An empty log is one byte,
+        # and b" " * 1 is CPython's shared b" " itself: NVRTC's NUL would overwrite that object for the whole
+        # process (seen as `import torch` failing to parse "annotate(str tag)" after a user kernel compiled).
+        log_bytes = bytearray(log_size)
         nvrtc.nvrtcGetProgramLog(prog, log_bytes)
         log_text = log_bytes.rstrip(b"\x00 ").decode(errors="replace")
         if err != ok:
@@ -239,7 +242,7 @@ def nvrtc_compile(source: str, program_name: str, what: str, expressions: dict[s
         if log_text:
             log.debug("NVRTC log for %s:\n%s", what, log_text)
         _, size = nvrtc.nvrtcGetCUBINSize(prog)
-        cubin = b" " * size
+        cubin = bytearray(size)
         (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
         if err != ok:
             raise CompileError(f"nvrtcGetCUBIN failed for {what}: {err}")
@@ -249,7 +252,7 @@ def nvrtc_compile(source: str, program_name: str, what: str, expressions: dict[s
             if err != ok:
                 raise CompileError(f"nvrtcGetLoweredName({expr}) failed: {err}")
             names[kernel] = lowered.decode()
-        return cubin, names, log_text
+        return bytes(cubin), names, log_text
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
