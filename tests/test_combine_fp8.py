@@ -268,3 +268,29 @@ def test_internode_fp8_spec_is_the_combines_roles_in_both_builds():
     assert fp8.KERNELS == {"internode_combine_fp8": k.InternodeSpec.KERNELS["internode_combine"]}
     roles = f"{spec.combine_send_warps}, {spec.combine_forward_groups}"
     assert fp8.name_expression("internode_combine_fp8") == f"epjit::internode_combine_fp8<2, 4, 768, {roles}>"
+
+
+def test_the_fast_round_trip_is_the_float8_casts_bit_for_bit():
+    """The combine's reference rounds through e4m3 in float32 arithmetic (numerics.fp8_round_trip): every e4m3
+    value, every midpoint between two (ties to even) and its float32 neighbours, and random rows of every scale give
+    the bits ml_dtypes' float8 casts give."""
+    import ml_dtypes
+
+    from epjit.reference.numerics import e4m3_nearest, fp8_round_trip, fp8_to_float, per_token_cast_to_fp8
+
+    e4m3 = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    e4m3 = np.sort(e4m3[np.isfinite(e4m3)])
+    mids = (e4m3[:-1] + e4m3[1:]) / 2
+    rng = np.random.default_rng(3)
+    values = np.concatenate([e4m3, mids, np.nextafter(mids, np.float32(np.inf)),
+                             np.nextafter(mids, np.float32(-np.inf)),
+                             rng.uniform(-448, 448, 100_000).astype(np.float32),
+                             (rng.standard_normal(100_000) * 0.01).astype(np.float32)]).astype(np.float32)
+    values = np.clip(values, -448, 448)
+    want = values.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    assert np.array_equal(e4m3_nearest(values).view(np.uint32), want.view(np.uint32))
+    for scale in (1e-6, 1.0, 3e4):
+        x = (rng.standard_normal((64, 1024)) * scale).astype(ml_dtypes.bfloat16)
+        x[0, :128] = 0  # a block of zeros: the amax floor
+        slow = fp8_to_float(*per_token_cast_to_fp8(x))
+        assert np.array_equal(fp8_round_trip(x).view(np.uint32), slow.view(np.uint32)), scale

@@ -24,7 +24,7 @@ from ._checks import (
     per_rank,
     type_error,
 )
-from .numerics import fp8_to_float, per_token_cast_to_fp8
+from .numerics import fp8_round_trip
 from .results import BF16, FP8, FP8_BLOCK, Bias, CombineResult, DispatchHandle, DispatchResult, Layout
 
 
@@ -364,7 +364,7 @@ def _add_returned_rows(
 
 def _fp8_round_trip(rows: np.ndarray) -> np.ndarray:
     """Rows (bf16 or float32 ``[n, H]``) as an FP8 combine sends them: quantised and dequantised (float32)."""
-    return fp8_to_float(*per_token_cast_to_fp8(rows))
+    return fp8_round_trip(rows)
 
 
 def _fp8_round_trips(ys: list[np.ndarray]) -> list[np.ndarray]:

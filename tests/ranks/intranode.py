@@ -112,6 +112,7 @@ def run_case(
     replay: bool = False,
     bias: bool = False,
     sms: int = 0,
+    fp8_combine: bool = True,
 ) -> dict:
     xs, idxs, ws = make_inputs(seed, counts, hidden, topk, num_experts, holes)
     scales = None
@@ -194,6 +195,8 @@ def run_case(
                               num_nvl_ranks=NVL_RANKS)
     same("combined_x", to_numpy(c.x), c_ref[rank].x)
     same("combined_topk_weights", to_numpy(c.topk_weights), c_ref[rank].topk_weights)
+    if not fp8_combine:
+        return {"recv": m}
     # The FP8 combine of the same rows: bit for bit the reference's (quantisation exact, the sum in its order; across
     # nodes each node's partial quantised once), and its distance from the bf16 combine (DeepEP's calc_diff) reported.
     c8 = buf.combine(to_torch(y_local), d.handle, topk_weights=d.topk_weights, bias=bias_t,
@@ -326,7 +329,9 @@ def main() -> int:
                 holes=0.1,
                 bias=True,
             ),
-            dict(counts=[4096] * R, hidden=7168, topk=8, num_experts=256, fp8=True, holes=0.0),
+            # (the FP8 combine's reference takes every rank ~10-20 s a 4096-token case in NumPy: the case above, with
+            # its ring wraps and biases, checks it at this size)
+            dict(counts=[4096] * R, hidden=7168, topk=8, num_experts=256, fp8=True, holes=0.0, fp8_combine=False),
             dict(
                 counts=[300, 0] + [17] * (R - 2),
                 hidden=2048,
