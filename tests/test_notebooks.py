@@ -34,11 +34,23 @@ def _run(path: Path, tmp_path: Path, timeout: int) -> str:
     if not (shutil.which("mpiexec") or (Path(sys.executable).parent / "mpiexec").exists()):
         pytest.skip("no mpiexec for ipyparallel's MPI engines")
     nb = nbformat.read(path, as_version=4)
-    nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    ipython_dir = tmp_path / "ipython"  # the kernel and its engines log here (ipyparallel: profile_default/log)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("IPYTHONDIR", str(ipython_dir))
+        try:
+            nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                                    resources={"metadata": {"path": str(tmp_path)}}).execute()
+        except nbclient.exceptions.CellExecutionError as e:
+            raise AssertionError(f"{e}\n{_engine_logs(ipython_dir)}") from None
     text = _text(nb)
     assert "ERROR" not in text, text[-4000:]
     return text
+
+
+def _engine_logs(ipython_dir: Path) -> str:
+    """The tail of every log ipyparallel's controller and engines left: why an engine set stopped."""
+    logs = sorted(ipython_dir.glob("profile_*/log/*.log"))
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in logs) or "(no engine logs)"
 
 
 def test_tour_notebook_runs(tmp_path):
