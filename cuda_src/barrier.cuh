@@ -48,4 +48,35 @@ __device__ __forceinline__ void nvl_barrier_block(const PeersTable* peers, const
     __syncthreads();
 }
 
+// nvl_barrier_block of shrink mode: a rank masked in m.mask, or named in `skip` (bit t: nvl rank t; a call's mask),
+// is neither signalled nor waited for, and a wait that passes m.timeout_ns masks its peer (timeout_while_unmasked)
+// instead of trapping. A slot of a rank masked mid-barrier keeps what it left there; later barriers skip it, and a
+// rank unmasked again starts from rows the host zeroed (clean_mask, on every rank).
+template <int kNumNvlRanks, bool kFenceFirst = true>
+__device__ __forceinline__ void nvl_barrier_block_live(const PeersTable* peers, const PeerMask& m, const char* site,
+                                                       int skip, int64_t row_offset = kNvlBarrierOffset,
+                                                       int channel = -1) {
+    static_assert(kNumNvlRanks <= kMaxNvlRanks, "too many NVLink ranks");
+    const int t = static_cast<int>(threadIdx.x);
+    const int me = peers->nvl_rank;
+    if (kFenceFirst) {
+        ptx::fence_acq_rel_sys();
+        __syncthreads();
+    }
+    const int peer_rank = peers->rank - me + t;
+    if (t < kNumNvlRanks && (t == me || (!(skip >> t & 1) && ptx::ld_volatile_s32(m.mask + peer_rank) == 0))) {
+        int* my_row = nvl_ptr<int>(peers, me, row_offset);
+        int* peer_row = nvl_ptr<int>(peers, t, row_offset);
+        ptx::red_add_release_sys_s32(my_row + t, kBarrierTag);
+        ptx::red_add_release_sys_s32(peer_row + me, -kBarrierTag);
+        const int where = channel >= 0 ? channel : static_cast<int>(blockIdx.x);
+        bool masked_now;
+        timeout_while_unmasked(peers, m, WaitSite{site, peer_rank, where, 0}, masked_now, [&](int64_t& seen) {
+            seen = ptx::ld_acquire_sys_s32(my_row + t);
+            return seen > 0;
+        });
+    }
+    __syncthreads();
+}
+
 }  // namespace epjit

@@ -70,21 +70,46 @@ __device__ __forceinline__ uint32_t selected_window(const bool* is_token_in_rank
                          token < end && is_token_in_rank[static_cast<int64_t>(token) * num_ranks + dst]);
 }
 
+// A wait on peer site.peer. In the shrink build (kShrink), timeout_while_unmasked: false, at once, for a masked
+// peer, and false once it is masked meanwhile or after the shrink timeout (the wait masks it then); the caller stops
+// using that peer for the call. Otherwise timeout_while (a trap after EPJIT_TIMEOUT_S), and always true, so the
+// callers' shrink branches compile away and the other builds are the code they were.
+template <typename KeepWaiting>
+__device__ __forceinline__ bool wait_on_peer(const PeersTable* peers, const WaitSite& site,
+                                             KeepWaiting&& keep_waiting) {
+    if constexpr (kShrink) {
+        bool masked_now;
+        return timeout_while_unmasked(peers, normal_shrink_mask(peers), site, masked_now, keep_waiting);
+    } else {
+        timeout_while(peers, site, keep_waiting);
+        return true;
+    }
+}
+
+// Shrink mode: whether nvl rank r takes no part in the rest of this call: masked in the call's mask (notify's, the
+// same on every live rank) or in this rank's mask since (a wait timed out on it, or the host masked it).
+__device__ __forceinline__ bool peer_gone(const PeersTable* peers, int call_mask, int r) {
+    return (call_mask >> r & 1) || ptx::ld_volatile_s32(normal_shrink_mask(peers).mask + peers->rank - peers->nvl_rank + r) != 0;
+}
+
 // A sender's flow control: before a chunk, wait until the ring (channel, me) at the receiver has room for a whole
 // chunk, i.e. at most num_slots - chunk of its slots are still unread. `head` caches the receiver's head, which
 // lives across NVLink: it is read again only when the cached value says the ring may be full. One lane waits;
 // __syncwarp hands the answer to the warp. The acquire pairs with the receiver's st.release.sys of the head, which
 // comes after its reads of those slots.
-__device__ __forceinline__ void wait_for_ring_room(const PeersTable* peers, const char* site, const int32_t* head_ptr,
+// Returns false on lane 0 where the receiver was masked instead (shrink mode: wait_on_peer).
+__device__ __forceinline__ bool wait_for_ring_room(const PeersTable* peers, const char* site, const int32_t* head_ptr,
                                                    int tail, int& head, int num_slots, int chunk, int peer_rank,
                                                    int channel, int lane) {
+    bool room = true;
     if (lane == 0 && tail - head > num_slots - chunk) {
-        timeout_while(peers, WaitSite{site, peer_rank, channel, tail - num_slots + chunk}, [&](int64_t& seen) {
+        room = wait_on_peer(peers, WaitSite{site, peer_rank, channel, tail - num_slots + chunk}, [&](int64_t& seen) {
             seen = head = ptx::ld_acquire_sys_s32(head_ptr);
             return tail - head > num_slots - chunk;
         });
     }
     __syncwarp();
+    return room;
 }
 
 // The warp groups of a dispatch block (named barrier group + 1): sending groups, a draining group for each other
@@ -168,12 +193,46 @@ struct CombineRoles {
     __device__ void sync() const { ptx::bar_sync(group + 1, kSendPerPeer * 32); }
 };
 
+// Shrink mode: every rank's notify decides the call's mask, the ranks that take no part in this call, the same on
+// every live rank: the ranks this rank has masked after the barrier (masked before the call, or by a barrier wait that
+// timed out), and those any live peer had masked as its call began (its meta[5], written before its arrival at the
+// barrier, which this rank acquired). The ranks masked only by a peer are masked here too. A rank that finds itself
+// masked by a peer goes on alone (its mask: every other rank). Returns the mask as bits (bit r: nvl rank r).
+template <int kNumRanks>
+__device__ __noinline__ int agree_call_mask(const PeersTable* peers, const int32_t* meta) {
+    const int me = peers->nvl_rank, rank0 = peers->rank - me;
+    const PeerMask m = normal_shrink_mask(peers);
+    int mine = 0;
+    for (int r = 0; r < kNumRanks; ++r)
+        if (r != me && ptx::ld_volatile_s32(m.mask + rank0 + r) != 0) mine |= 1 << r;
+    int call = mine;
+    for (int r = 0; r < kNumRanks; ++r)
+        if (r != me && !(mine >> r & 1)) call |= ptx::ld_volatile_s32(meta + r * kMetaInts + 5);
+    if (call >> me & 1) call = (1 << kNumRanks) - 1;
+    call &= ~(1 << me);
+    for (int r = 0; r < kNumRanks; ++r)
+        if ((call >> r & 1) && !(mine >> r & 1)) atomicExch(m.mask + rank0 + r, 1);  // no record: no wait of mine
+    return call;
+}
+
+// This rank's mask as bits (shrink mode; me excluded), as a call begins.
+template <int kNumRanks>
+__device__ __forceinline__ int mask_bits(const PeersTable* peers) {
+    const PeerMask m = normal_shrink_mask(peers);
+    const int me = peers->nvl_rank;
+    int bits = 0;
+    for (int r = 0; r < kNumRanks; ++r)
+        if (r != me && ptx::ld_volatile_s32(m.mask + peers->rank - me + r) != 0) bits |= 1 << r;
+    return bits;
+}
+
 // Host-mapped ints notify fills (host_out, the call's own record), read by the host once [0] is no longer -1
 // (written last):
 //   [0] rows this rank receives   [1] status bits   [2, 2+M*R) every rank's meta (M = kMetaInts)   [2+M*R,
 //   2+(M+1)*R) rows each rank receives   [2+(M+1)*R, +L) rows per local expert, rounded up to expert_alignment
 // call_status: the status bits again, in the handle's device ints: the dispatch and every combine of the handle
-// do nothing unless they are 0.
+// do nothing unless they are 0; shrink mode: call_status[1] is the call's mask (agree_call_mask), which dispatch and
+// every combine of the handle leave out.
 //
 // recv_capacity: the rows of output this rank allocated before the counts were known (num_worst_tokens, a
 // handle's rows, or the host's estimate). Every rank learns every rank's capacity through the meta,
@@ -209,7 +268,17 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
     // dispatch's senders and my drains) finished before any rank could pass the barrier below. Combine's words are
     // combine's own: it zeroes them channel by channel before its channel barrier.
     for (int i = t; i < 4 * num_channels * kNumRanks; i += blockDim.x) mine.dispatch_ctrl[i] = 0;
-    if (t < kNumRanks) {
+    // Shrink mode: the ranks this rank masked before the call get no counts or meta and are not waited for.
+    // (Shrink mode's shared words are declared in its branches only: an unused __shared__ is still allocated, and
+    // the other builds would no longer be the code they were.)
+    int masked_before = 0;
+    if constexpr (kShrink) {
+        __shared__ int s_masked_before;
+        if (t == 0) s_masked_before = mask_bits<kNumRanks>(peers);
+        __syncthreads();
+        masked_before = s_masked_before;
+    }
+    if (t < kNumRanks && !(masked_before >> t & 1)) {
         // Counts and meta sit before the rings, at offsets that depend only on R and C: safe to write even when
         // this call's rings do not fit (every buffer holds at least that much; the Buffer checks it). The meta
         // says so then, and every rank stops.
@@ -224,6 +293,7 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
         meta[4] = recv_capacity;
         const bool invalid = invalid_ids != nullptr && *invalid_ids != 0;
         meta[3] = flags | (fits ? 0 : kMetaLayoutTooBig) | (invalid ? kMetaInvalidIds : 0);
+        if constexpr (kShrink) meta[5] = masked_before;
     }
     // My per-expert counts (tokens I send to each rank's local experts) into my own buffer, read by the peers after
     // the barrier. Not into theirs: the counts sit after the rings, at an offset that moves with this call's top-k,
@@ -235,11 +305,24 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
             mine.expert_counts[i] = num_tokens_per_expert[i];
     timeline_mark(timeline, kNotifyAtWritten);
     // Pairs the count writes above with every peer's reads below (nvl_barrier_block fences and releases).
-    nvl_barrier_block<kNumRanks>(peers, "intranode_notify: peer's counts and meta");
+    if constexpr (kShrink)
+        nvl_barrier_block_live<kNumRanks>(peers, normal_shrink_mask(peers), "intranode_notify: peer's counts and meta",
+                                          0);
+    else
+        nvl_barrier_block<kNumRanks>(peers, "intranode_notify: peer's counts and meta");
     timeline_mark(timeline, kNotifyAtBarrier);
 
     __shared__ int status;
     if (t == 0) status = 0;
+    // Shrink mode: a rank of the call's mask is left out of every check and count below (its meta and counts may
+    // be an earlier call's): nothing arrives from it.
+    int call_mask = 0;
+    if constexpr (kShrink) {
+        __shared__ int s_call_mask;
+        if (t == 0) s_call_mask = agree_call_mask<kNumRanks>(peers, mine.meta);
+        __syncthreads();
+        call_mask = s_call_mask;
+    }
     __syncthreads();
     if (t < kNumRanks) {
         const int32_t* theirs = mine.meta + t * kMetaInts;
@@ -249,20 +332,22 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
             const int mask = j == 3 ? ~kOwnMetaBits : ~0;  // the own bits live in the flags word only
             same = same && (theirs[j] & mask) == (own[j] & mask);
         }
-        if (theirs[3] & kMetaLayoutTooBig) atomicOr(&status, kStatusLayoutTooBig);
-        if (theirs[3] & kMetaInvalidIds) atomicOr(&status, kStatusInvalidIds);
-        if (!same) atomicOr(&status, kStatusMetaMismatch);
+        if (!(call_mask >> t & 1)) {
+            if (theirs[3] & kMetaLayoutTooBig) atomicOr(&status, kStatusLayoutTooBig);
+            if (theirs[3] & kMetaInvalidIds) atomicOr(&status, kStatusInvalidIds);
+            if (!same) atomicOr(&status, kStatusMetaMismatch);
+        }
         if (!cached) {
             // Column t of the counts matrix, prefix-summed over source ranks (DeepEP's rank_prefix_matrix).
             int sum = 0;
             for (int i = 0; i < kNumRanks; ++i) {
-                sum += mine.counts[i * kNumRanks + t];
+                if (!(call_mask >> i & 1)) sum += mine.counts[i * kNumRanks + t];
                 rank_prefix_matrix[i * kNumRanks + t] = sum;
             }
         }
     }
     __syncthreads();
-    if (t < kNumRanks) {
+    if (t < kNumRanks && !(call_mask >> t & 1)) {
         const int total = rank_prefix_matrix[(kNumRanks - 1) * kNumRanks + t];
         const int32_t* theirs = mine.meta + t * kMetaInts;
         if (total > theirs[4])
@@ -277,6 +362,7 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
         for (int l = t; l < num_local_experts; l += blockDim.x) {
             int sum = 0;
             for (int i = 0; i < kNumRanks; ++i) {
+                if (call_mask >> i & 1) continue;
                 const IntranodeLayout theirs(nvl_ptr(peers, i, kNvlHeaderBytes), kNumRanks, num_channels, num_slots,
                                              hidden, num_topk, num_scales, num_local_experts);
                 sum += ptx::ld_volatile_s32(theirs.expert_counts + me * num_local_experts + l);
@@ -298,9 +384,16 @@ __global__ void intranode_notify(const PeersTable* peers, const int* num_tokens_
     // So on refusal every rank waits here until all are past their reads (every rank computes the same status from
     // the same counts and meta). An accepted call needs no wait: a peer's next notify comes after this rank's
     // dispatch, which exchanges with it.
-    if (status != 0) nvl_barrier_block<kNumRanks>(peers, "intranode_notify: peers past a refused call's reads");
+    if (status != 0) {
+        if constexpr (kShrink)
+            nvl_barrier_block_live<kNumRanks>(peers, normal_shrink_mask(peers),
+                                              "intranode_notify: peers past a refused call's reads", call_mask);
+        else
+            nvl_barrier_block<kNumRanks>(peers, "intranode_notify: peers past a refused call's reads");
+    }
     if (t == 0) {
         *call_status = status;
+        if constexpr (kShrink) call_status[1] = call_mask;
         if (report) {
             host_out[1] = status;
             // Last, with a system-scope release: the host spins on this word (it starts at -1), and seeing it
@@ -401,6 +494,17 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
     ptx::griddepcontrol_wait();
     if (*call_status != 0) return;  // notify found a problem: every rank stops here, before any send
     timeline_start(timeline, kNormalAtStart, channel);
+    // Shrink mode: the call's mask (notify's): nothing goes to or comes from those ranks. A group that loses its
+    // peer later (masked by a wait, here or elsewhere) stops using it, the whole group at once (s_gone, read
+    // between two of the group's barriers).
+    int call_mask = 0;
+    volatile int* s_gone = nullptr;
+    if constexpr (kShrink) {  // (declared here only: an unused __shared__ is still allocated)
+        __shared__ volatile int gone[kNumRanks];
+        call_mask = call_status[1], s_gone = gone;
+        if (threadIdx.x < kNumRanks) s_gone[threadIdx.x] = 0;
+        __syncthreads();
+    }
 
     using Roles = DispatchRoles<kNumRanks, kNumWarps, kDispatchSendWarps, kDispatchDrainWarps, kDispatchPhased>;
     const int me = peers->nvl_rank;
@@ -444,7 +548,8 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
 
     if (roles.role == Roles::kSend) {
         constexpr int group_warps = Roles::kSendGroupWarps > 0 ? Roles::kSendGroupWarps : 1;  // 1 rank: never sends
-        if (group_thread < Roles::kPeersPerSendGroup) {  // every peer this group serves learns its count now
+        if (group_thread < Roles::kPeersPerSendGroup &&
+            !(call_mask >> roles.send_peer(me, group_thread) & 1)) {  // every peer this group serves learns its count
             const int to = roles.send_peer(me, group_thread);
             const IntranodeLayout dst(nvl_ptr(peers, to, kNvlHeaderBytes), kNumRanks, num_channels, 0, 0, 0, 0, 0);
             const int q = dst.queue(channel, me);
@@ -459,6 +564,11 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
         for (int phase = 0; phase < Roles::kPeersPerSendGroup; ++phase) {
             const int to = roles.send_peer(me, phase);
             const int to_rank = peers->rank - me + to;
+            if (call_mask >> to & 1) {  // shrink mode: nothing goes to it, and its receipts say so
+                for (int t = begin + group_thread; t < end; t += group_warps * 32)
+                    send_head[static_cast<int64_t>(t) * kNumRanks + to] = -1;
+                continue;
+            }
             const int64_t lo = static_cast<int64_t>(to) * num_local_experts, hi = lo + num_local_experts;
             const IntranodeLayout dst(nvl_ptr(peers, to, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
                                       num_topk, num_scales, 0);
@@ -469,8 +579,14 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
             // system-scope release that waits for the group's stores).
             int chunk_limit = min(group_warps, num_max_send_tokens);
             for (int t = begin; t < end; chunk_limit = min(2 * chunk_limit, num_max_send_tokens)) {
-                wait_for_ring_room(peers, "intranode_dispatch sender: ring space (head)", dst.dispatch_head(q), tail,
-                                   head, num_slots, num_max_send_tokens, to_rank, channel, lane);
+                const bool room = wait_for_ring_room(peers, "intranode_dispatch sender: ring space (head)",
+                                                     dst.dispatch_head(q), tail, head, num_slots, num_max_send_tokens,
+                                                     to_rank, channel, lane);
+                if constexpr (kShrink) {  // masked since notify: the rest of its tokens stay here
+                    if (!room || (group_thread == 0 && peer_gone(peers, 0, to))) s_gone[to] = 1;
+                    roles.sync();
+                    if (s_gone[to]) break;
+                }
                 uint32_t window = 0;
                 for (int chunk = 0, k = 32; chunk < chunk_limit && t < end; ++t, ++k) {
                     if (k == 32) window = selected_window(is_token_in_rank, t, end, to, kNumRanks, lane), k = 0;
@@ -500,8 +616,14 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
         if (group_thread == 0) timeline_mark_latest(timeline, kNormalAtSent);
     }
 
+    // Shrink mode: nothing arrives from a rank of the call's mask (notify counted none of its rows).
+    if (roles.role == Roles::kDrain && (call_mask >> roles.peer & 1) && roles.warp_in_group == 0 && lane == 0) {
+        const int peer = roles.peer;
+        recv_channel_offset[peer * num_channels + channel] = peer > 0 ? rank_prefix_matrix[(peer - 1) * kNumRanks + me]
+                                                                      : 0;
+    }
     // Draining group: copy the ring that rank `peer` fills for this channel into recv_x.
-    if (roles.role == Roles::kDrain) {
+    if (roles.role == Roles::kDrain && !(call_mask >> roles.peer & 1)) {
         constexpr int group_warps = Roles::kDrainWarps > 0 ? Roles::kDrainWarps : 1;
         const int peer_rank = peers->rank - me + peer;
         const IntranodeLayout mine(nvl_ptr(peers, me, kNvlHeaderBytes), kNumRanks, num_channels, num_slots, hidden,
@@ -510,16 +632,18 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
         __shared__ int s_start[kNumRanks], s_count[kNumRanks], s_tail[kNumRanks];
         if (group_thread == 0) {
             int start = 0, finish = 0;
-            timeout_while(peers, WaitSite{"intranode_dispatch receiver: channel start offset", peer_rank, channel, 0},
-                          [&](int64_t& seen) {
-                              seen = start = ptx::ld_acquire_sys_s32(mine.start(q));
-                              return start == 0;
-                          });
-            timeout_while(peers, WaitSite{"intranode_dispatch receiver: channel end offset", peer_rank, channel, 0},
-                          [&](int64_t& seen) {
-                              seen = finish = ptx::ld_acquire_sys_s32(mine.finish(q));
-                              return finish == 0;
-                          });
+            // (shrink mode, the peer masked meanwhile: nothing drained; its rows here stay as they were)
+            if (wait_on_peer(peers, WaitSite{"intranode_dispatch receiver: channel start offset", peer_rank, channel, 0},
+                             [&](int64_t& seen) {
+                                 seen = start = ptx::ld_acquire_sys_s32(mine.start(q));
+                                 return start == 0;
+                             }))
+                wait_on_peer(peers, WaitSite{"intranode_dispatch receiver: channel end offset", peer_rank, channel, 0},
+                             [&](int64_t& seen) {
+                                 seen = finish = ptx::ld_acquire_sys_s32(mine.finish(q));
+                                 return finish == 0;
+                             });
+            if (kShrink && (start == 0 || finish == 0)) start = finish = -1;
             s_start[peer] = -start - 1;
             s_count[peer] = (-finish - 1) - (-start - 1);
         }
@@ -531,17 +655,20 @@ intranode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
         for (int head = 0; head < count;) {
             if (group_thread == 0) {
                 int tail = head;
-                timeout_while(peers, WaitSite{"intranode_dispatch receiver: ring tail", peer_rank, channel, head + 1},
-                              [&](int64_t& seen) {
-                                  seen = tail = ptx::ld_acquire_sys_s32(mine.dispatch_tail(q));
-                                  return tail == head;
-                              });
+                if (!wait_on_peer(peers, WaitSite{"intranode_dispatch receiver: ring tail", peer_rank, channel,
+                                                  head + 1},
+                                  [&](int64_t& seen) {
+                                      seen = tail = ptx::ld_acquire_sys_s32(mine.dispatch_tail(q));
+                                      return tail == head;
+                                  }))
+                    tail = -1;  // shrink mode: masked meanwhile, the rest of its rows stay as they were
                 s_tail[peer] = tail;
                 if (head == 0) timeline_mark_latest(timeline, kNormalAtFirstTail);
                 if (tail == count) timeline_mark_latest(timeline, kNormalAtLastTail);
             }
             roles.sync();
             const int tail = s_tail[peer];
+            if (kShrink && tail < 0) break;
             for (int i = head + warp_in_rank; i < tail; i += group_warps) {
                 const int slot = i % num_slots;
                 const int64_t row = row0 + i;
@@ -583,6 +710,15 @@ template <int kNumRanks>
 __device__ __noinline__ void combine_channel_barrier(const PeersTable* peers, int channel) {
     nvl_barrier_block<kNumRanks, false>(peers, "intranode_combine: the channel's block on peer to start (barrier)",
                                         channel_barrier_offset(channel), channel);
+}
+
+// combine_channel_barrier of shrink mode: the ranks of the dispatch's mask (`skip`) and those masked since are left
+// out, and a peer that does not come within the shrink timeout is masked.
+template <int kNumRanks>
+__device__ __noinline__ void combine_channel_barrier_live(const PeersTable* peers, int channel, int skip) {
+    nvl_barrier_block_live<kNumRanks, false>(peers, normal_shrink_mask(peers),
+                                             "intranode_combine: the channel's block on peer to start (barrier)", skip,
+                                             channel_barrier_offset(channel), channel);
 }
 
 // The reader's sum of token t's rows in bf16 (combine<kFp8 = false>), bias first, then the ranks in order.
@@ -692,6 +828,15 @@ __device__ __forceinline__ void combine(const PeersTable* peers, ChannelClaims* 
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
     const int row_int4 = hidden / 8;
     const Roles roles(warp, me);
+    // Shrink mode: the dispatch's mask (its notify's), and the sending groups whose peer was masked since (s_gone,
+    // read between two of the group's barriers, so the whole group stops at once).
+    int call_mask = 0;
+    volatile int* s_gone = nullptr;
+    if constexpr (kShrink) {  // (declared here only: an unused __shared__ is still allocated)
+        __shared__ volatile int gone[kNumRanks];
+        call_mask = dispatch_status[1], s_gone = gone;
+        if (threadIdx.x < kNumRanks) s_gone[threadIdx.x] = 0;  // (the barrier's __syncthreads orders it)
+    }
     __shared__ volatile int progress[kNumReaders][kNumRanks];  // next ring index reader i needs from rank r
     __shared__ volatile int retired[kNumReaders];
     for (int i = threadIdx.x; i < kNumReaders * kNumRanks; i += kNumThreads)
@@ -709,7 +854,10 @@ __device__ __forceinline__ void combine(const PeersTable* peers, ChannelClaims* 
         *words.combine_head(q) = 0;
         *words.combine_tail(q) = 0;
     }
-    combine_channel_barrier<kNumRanks>(peers, channel);
+    if constexpr (kShrink)
+        combine_channel_barrier_live<kNumRanks>(peers, channel, call_mask);
+    else
+        combine_channel_barrier<kNumRanks>(peers, channel);
 
     if (roles.role == Roles::kSend) {
         // Rows rank `peer` sent me on this channel, in the order they arrived: they go back in that order, so
@@ -727,8 +875,14 @@ __device__ __forceinline__ void combine(const PeersTable* peers, ChannelClaims* 
         int tail = 0, head = 0;
         int chunk_limit = min(Roles::kSendPerPeer, num_max_send_tokens);  // doubling, as dispatch's senders do
         for (int row = first; row < last; chunk_limit = min(2 * chunk_limit, num_max_send_tokens)) {
-            wait_for_ring_room(peers, "intranode_combine sender: ring space (head)", dst.combine_head(q), tail, head,
-                               num_slots, num_max_send_tokens, peer_rank, channel, lane);
+            const bool room = wait_for_ring_room(peers, "intranode_combine sender: ring space (head)",
+                                                 dst.combine_head(q), tail, head, num_slots, num_max_send_tokens,
+                                                 peer_rank, channel, lane);
+            if constexpr (kShrink) {  // in the dispatch's mask, or masked since: nothing (more) goes back to it
+                if (!room || (group_thread == 0 && peer_gone(peers, call_mask, peer))) s_gone[peer] = 1;
+                roles.sync();
+                if (s_gone[peer]) break;
+            }
             for (int chunk = 0; chunk < chunk_limit && row < last; ++chunk, ++row, ++tail) {
                 if (chunk % Roles::kSendPerPeer != warp_in_rank) continue;
                 const int slot = tail % num_slots;
@@ -780,15 +934,19 @@ __device__ __forceinline__ void combine(const PeersTable* peers, ChannelClaims* 
 
     const int reader = roles.warp_in_group;
     for (int t = begin + reader; t < end; t += kNumReaders) {
-        const int expected = lane < kNumRanks ? send_head[static_cast<int64_t>(t) * kNumRanks + lane] : -1;
+        int expected = lane < kNumRanks ? send_head[static_cast<int64_t>(t) * kNumRanks + lane] : -1;
+        if (kShrink && lane < kNumRanks && (call_mask >> lane & 1)) expected = -1;  // sent nothing: no term
         if (lane < kNumRanks && lane != me && expected >= 0) {  // my own rows are in y already
-            timeout_while(peers, WaitSite{"intranode_combine reader: ring tail", peers->rank - me + lane, channel,
-                                          expected + 1},
-                          [&](int64_t& seen) {
-                              const int tail = ptx::ld_acquire_sys_s32(mine.combine_tail(mine.queue(channel, lane)));
-                              seen = tail;
-                              return tail <= expected;
-                          });
+            // Shrink mode: a rank masked since (or now, by this wait) adds no term to this token and the later ones
+            if (!wait_on_peer(peers, WaitSite{"intranode_combine reader: ring tail", peers->rank - me + lane, channel,
+                                              expected + 1},
+                              [&](int64_t& seen) {
+                                  const int tail =
+                                      ptx::ld_acquire_sys_s32(mine.combine_tail(mine.queue(channel, lane)));
+                                  seen = tail;
+                                  return tail <= expected;
+                              }))
+                expected = -1;
         }
         __syncwarp();
         if (lane == 0 && t + kNumReaders >= end) timeline_mark_latest(timeline, kNormalAtLastTail);

@@ -8,8 +8,9 @@
 //   control   dispatch      int32 [4][C][R src]      start, end (as -v-1, so 0 reads "not yet"), head, tail
 //             combine       int32 [2][C][R src]      head, tail
 //   notify    counts        int32 [R src][R dst]     row `src` written by rank src: tokens it sends to each rank
-//             meta          int32 [R src][8]         {hidden, num_experts, num_topk, flags, recv_capacity, 0...}
-//                                                     as each rank called (the first kMetaCompared must agree)
+//             meta          int32 [R src][8]         {hidden, num_experts, num_topk, flags, recv_capacity,
+//                                                     mask bits (shrink mode), 0, 0} as each rank called (the first
+//                                                     kMetaCompared must agree)
 //   rings     x             [C][R src][T][hidden*2 bytes]   one row a slot (bf16 size; FP8 dispatch rows use
 //                                                            half; an FP8 combine row is hidden e4m3 bytes, then
 //                                                            its hidden/128 float scales)
@@ -26,6 +27,7 @@
 
 #include "channels.cuh"
 #include "peers.cuh"
+#include "wait.cuh"
 
 namespace epjit {
 
@@ -39,6 +41,33 @@ static_assert(kNvlChannelBarrierOffset + kMaxChannels * kMaxNvlRanks * 4 <= kNvl
 __host__ __device__ constexpr int64_t channel_barrier_offset(int channel) {
     return kNvlChannelBarrierOffset + static_cast<int64_t>(channel) * kMaxNvlRanks * 4;
 }
+// Shrink mode (the EPJIT_NORMAL_SHRINK build, a normal-mode Buffer made with enable_shrink): its state sits in the
+// reserved part of this rank's own NVLink buffer header (peers.cuh), written by the host (epjit/ops/shrink.py:
+// NormalShrinkMask): the records at creation, the mask by the mask calls, and by the kernels' waits that mask a peer.
+// (Enumerators, not constexpr variables: NVRTC emits a namespace-scope variable into every module, and the other
+// builds would no longer be the code they were.)
+#ifdef EPJIT_NORMAL_SHRINK
+enum : bool { kShrink = true };
+#else
+enum : bool { kShrink = false };
+#endif
+enum : int { kNvlShrinkOffset = 1024 };
+struct NormalShrink {
+    WaitRecord* records;              // mapped host memory [R]: the wait that masked each rank (wait.cuh: PeerMask)
+    uint64_t timeout_ns;              // how long a wait on a peer polls before it masks the peer
+    int32_t mask[kMaxNvlRanks];       // nonzero: masked, neither sent to nor waited for (zero at creation)
+};
+static_assert(sizeof(NormalShrink) == 48, "NormalShrink layout is shared with epjit/kernels/intranode.py");
+static_assert(kNvlBarrierOffset + kMaxNvlRanks * 4 <= kNvlShrinkOffset &&
+              kNvlShrinkOffset + static_cast<int64_t>(sizeof(NormalShrink)) <= kNvlChannelBarrierOffset,
+              "NormalShrink must sit in the header's reserved words");
+
+// This rank's mask, records and timeout as the waits take them (the ranks of one node: rank = nvl rank).
+__device__ __forceinline__ PeerMask normal_shrink_mask(const PeersTable* peers) {
+    NormalShrink* s = nvl_ptr<NormalShrink>(peers, peers->nvl_rank, kNvlShrinkOffset);
+    return PeerMask{s->mask, s->records, s->timeout_ns};
+}
+
 // Ints of meta per rank and how many must agree across ranks (epjit/kernels/intranode.py: META_INTS, META_COMPARED).
 constexpr int kMetaInts = 8;
 constexpr int kMetaCompared = 4;

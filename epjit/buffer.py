@@ -52,8 +52,9 @@ class Buffer:
     def __init__(self, group: Group | Any, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_max_dispatch_tokens_per_rank: int = 0, hidden: int = 0,
                  num_experts: int = 0, enable_shrink: bool = False) -> None:
-        """``enable_shrink=True`` (low-latency mode): a rank that fails is masked instead of stopping the job
-        (docs/reliability.md: shrink mode)."""
+        """``enable_shrink=True``: a rank that fails is masked instead of stopping the job (docs/reliability.md:
+        shrink mode), in the low-latency calls of a low-latency Buffer, in the normal-mode calls of a normal-mode
+        Buffer inside one NVLink node."""
         if not isinstance(group, Group):
             group = _group_of(group)
         # As ints, before any collective or GPU work: "1GB", 1.5 or True is no size (int() would make one of them).
@@ -65,8 +66,14 @@ class Buffer:
         self.low_latency_mode = check_flag(low_latency_mode, "Buffer(low_latency_mode=...)")
         self.enable_shrink = check_flag(enable_shrink, "Buffer(enable_shrink=...)")
         if self.enable_shrink and not self.low_latency_mode:
-            raise ArgumentError(with_rank("Buffer(enable_shrink=True) needs low_latency_mode=True: shrink mode masks "
-                                          "ranks in the low-latency kernels only"))
+            if group.num_nvl_ranks != group.size:
+                raise ArgumentError(with_rank(
+                    f"Buffer(enable_shrink=True) in normal mode masks ranks inside one NVLink node, and this group "
+                    f"spans {group.size // group.num_nvl_ranks} nodes: across nodes, enable_shrink needs "
+                    "low_latency_mode=True"))
+            if not num_nvl_bytes:
+                raise ArgumentError(with_rank("Buffer(enable_shrink=True) masks ranks in the normal-mode calls, and "
+                                              "this Buffer has none (num_nvl_bytes=0)"))
         group.check_same("Buffer(num_nvl_bytes, num_rdma_bytes, low_latency_mode, enable_shrink)",
                          (num_nvl_bytes, num_rdma_bytes, self.low_latency_mode, self.enable_shrink))
         if group.device is None:
@@ -277,6 +284,33 @@ class Buffer:
     def low_latency_clean_mask_buffer(self) -> None:
         """Shrink mode: unmask every rank (and forget the reports of the waits that masked them)."""
         self._low_latency.clean_mask()
+
+    def update_mask(self, rank_to_mask: int, mask: bool = True) -> None:
+        """Shrink mode, either mode: mask ``rank_to_mask`` (neither sent to nor waited for by this rank's calls; its
+        experts' terms of combine zero) or unmask it (``mask=False``), from this rank's next call on. In normal mode
+        every live rank masks it (notify also spreads a mask to every live rank); a rank masks its peers only."""
+        self._shrinking().update_mask(rank_to_mask, mask)
+
+    def query_mask(self, mask_status: Any) -> None:
+        """Shrink mode: write this rank's mask into ``mask_status`` ([num_ranks] int32 on this rank's GPU; 1 =
+        masked, by an update, by a wait that timed out, or, in normal mode, by a live peer's mask), ordered after
+        this Buffer's calls."""
+        self._shrinking().query_mask(mask_status)
+
+    def clean_mask(self) -> None:
+        """Shrink mode: unmask every rank (and forget the reports). In normal mode a collective of every rank of the
+        group, all live, between calls: it also zeroes the barrier words a rank that left may have left."""
+        self._shrinking().clean_mask()
+
+    def mask_reports(self) -> list[dict[str, Any]]:
+        """Shrink mode: for each rank a wait of this rank masked since the last clean, what the wait recorded:
+        ``rank`` (this rank), ``peer`` (the rank masked), ``site`` (kernel and what was awaited), ``channel``,
+        ``expected``, ``observed``, ``elapsed_ns``. Each is also logged once as a warning."""
+        return self._shrinking().mask_reports()
+
+    def _shrinking(self) -> Any:
+        """The family whose calls this Buffer's mask governs: low latency on a low-latency Buffer, else normal."""
+        return self._low_latency if self.low_latency_mode else self._normal
 
     def low_latency_mask_reports(self) -> list[dict[str, Any]]:
         """Shrink mode: for each rank a wait of this rank masked since the last clean_mask_buffer, what the wait

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from .gpu import RANKS, placement, quick, run_ranks, two_ranks
+from .gpu import RANKS, gpu_count, placement, quick, require_gpus, run_ranks, two_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -101,3 +101,38 @@ def test_worst_token_dispatch_and_combine_in_a_cuda_graph(n, shared):
     for r in results:
         assert "replayed from a CUDA graph was refused on every rank" in r["graph_refusal"], r
         assert "num_worst_tokens=8 is too small for what arrives" in r["graph_refusal"], r
+
+
+@pytest.mark.parametrize("mode", ["update", "stop", "kill"])
+def test_shrink_mode_goes_on_without_a_rank_that_leaves(mode):
+    """Normal-mode shrink inside one node (enable_shrink): rank 1 leaves a loop of layout, dispatch and combine at
+    iteration 3, masked by every live rank (update), by the others' notify barrier that times out (stop), or SIGKILLed
+    between its dispatch and its combine (kill: the others' combine waits mask it). Every output the survivors see is
+    the reference's with the ranks their mask names out; after an update every rank, rank 1 too, cleans the mask and
+    runs once more with nobody masked; every rank ends on its own."""
+    require_gpus(2)
+    n = 4 if gpu_count() >= 4 else 2
+    env = placement(n, False)
+    pytest.importorskip("torch")
+    code, output, results = run_ranks("launch", n, "tests/ranks/intranode_shrink.py", "--mode", mode,
+                                      env={"EPJIT_TIMEOUT_S": "60", "EPJIT_SHRINK_TIMEOUT_S": "3", **env},
+                                      timeout=300)
+    assert code == 0, output[-8000:]
+    survivors = [r for r in range(n) if r != 1]
+    assert sorted(r["rank"] for r in results) == (list(range(n)) if mode == "update" else survivors), output[-4000:]
+    for r in results:
+        assert all(after == [[], []] for after in r["masks"][:3]), r  # before rank 1 leaves: nobody masked
+        assert r["after_clean"] == ([[], []] if mode == "update" else None), r
+        if r["rank"] == 1:  # the update's rank 1: it stopped at iteration 3, then cleaned and rejoined
+            assert len(r["masks"]) == 3 and r["reports"] == [], r
+            continue
+        assert len(r["masks"]) == 7 and all(after == [[1], [1]] for after in r["masks"][4:]), r
+        assert r["masks"][3] == ([[], [1]] if mode == "kill" else [[1], [1]]), r
+        if mode == "update":
+            assert r["reports"] == [], r  # masked by the caller: no wait had to
+        else:
+            assert [(x["rank"], x["peer"]) for x in r["reports"]] == [(r["rank"], 1)], r
+            site = "intranode_combine" if mode == "kill" else "intranode_notify"
+            assert r["reports"][0]["site"].startswith(site), r
+            assert 2.9e9 < r["reports"][0]["elapsed_ns"] < 10e9, r
+    print("\n".join(str(r) for r in results))

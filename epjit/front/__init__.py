@@ -61,7 +61,8 @@ def fronts(res: Resources, low_latency_mode: bool) -> tuple[Any, Any]:
     try:
         if res.num_nvl_bytes:
             family = IntranodeFront if res.group.num_nvl_ranks == res.group.size else InternodeFront
-            made.append(family(res))
+            # shrink mode of normal mode: a normal-mode Buffer's (a low-latency one's masks its low-latency calls)
+            made.append(family(res, res.enable_shrink and not low_latency_mode))
         else:
             made.append(Absent(NO_NORMAL))
         made.append(LowLatencyFront(res) if low_latency_mode else Absent(NO_LOW_LATENCY))

@@ -29,6 +29,7 @@ from ..ops.normal import (
     DispatchShape,
     LayoutInputs,
 )
+from ..ops.shrink import NormalShrinkMask
 from ..ops.streams import Event, caller_stream, is_capturing
 from .common import Plans, Resources
 
@@ -36,8 +37,10 @@ from .common import Plans, Resources
 class IntranodeFront:
     """Normal mode of a Buffer inside one NVLink node: argument checks, plans, and the family's ops."""
 
-    def __init__(self, res: Resources) -> None:
+    def __init__(self, res: Resources, shrink: bool = False) -> None:
+        """``shrink``: shrink mode (enable_shrink on a normal-mode Buffer, docs/reliability.md)."""
         group = res.group
+        self.shrink = shrink
         self.res, self.device, self.buffer_id = res, res.device, res.buffer_id
         self.num_ranks, self.num_nvl_ranks, self.num_experts = group.size, group.num_nvl_ranks, res.num_experts
         self.plans = Plans()
@@ -49,7 +52,9 @@ class IntranodeFront:
         self.combine_config = get_combine_config(self.num_ranks, num_nvl_ranks=self.num_nvl_ranks)
 
     def _ops(self, res: Resources) -> Intranode:
-        return Intranode(res.mem, res.streams, res.outputs, res.profile, self.device, res.num_experts)
+        env = res.settings
+        timeout = (env.shrink_timeout_s or env.timeout_s) if self.shrink else None
+        return Intranode(res.mem, res.streams, res.outputs, res.profile, self.device, res.num_experts, timeout)
 
     def close(self) -> None:
         self.ops.close()
@@ -135,6 +140,10 @@ class IntranodeFront:
         if handle is not None:
             if not isinstance(handle, DispatchHandle) or handle.buffer_id != self.buffer_id:
                 raise ArgumentError(with_rank("handle must come from a dispatch of this Buffer"))
+            if self.shrink:
+                raise ArgumentError(with_rank("dispatch(handle=...) replays a handle's counts, which a rank masked "
+                                              "since would make wrong: a Buffer made with enable_shrink=True "
+                                              "dispatches from a layout (or topk_idx) every time"))
             source: Any = (handle.num_tokens, handle.hidden, handle.num_topk, handle.num_channels, handle.num_experts)
         elif layout is not None:
             made = layout.made if isinstance(layout, DispatchLayout) else None
@@ -332,6 +341,39 @@ class IntranodeFront:
         if hidden % 128:
             raise ArgumentError(with_rank(f"combine with use_fp8=True needs hidden % 128 == 0 (a scale a 128 "
                                           f"channels), but the dispatch's hidden is {hidden}"))
+
+    # ------------------------------------------------------------------------------------------------ shrink
+
+    def _shrinking(self, call: str) -> NormalShrinkMask:
+        shrink = self.ops.shrink
+        if shrink is None:
+            raise ArgumentError(with_rank(f"{call} needs a Buffer made with enable_shrink=True"))
+        return shrink
+
+    def update_mask(self, rank_to_mask: Any, mask: Any) -> None:
+        shrink = self._shrinking("update_mask")
+        rank = check_int(rank_to_mask, "rank_to_mask")
+        if rank >= self.num_ranks:
+            raise ArgumentError(with_rank(f"rank_to_mask={rank} is not a rank of this Buffer's {self.num_ranks}"))
+        if rank == self.res.group.rank:
+            raise ArgumentError(with_rank(f"rank_to_mask={rank} is this rank: a rank masks its peers"))
+        shrink.update(rank, check_flag(mask, "mask"))
+
+    def query_mask(self, mask_status: Any) -> None:
+        shrink = self._shrinking("query_mask")
+        info = check(mask_status, "mask_status", dtype="int32", shape=(self.num_ranks,), device=self.device)
+        shrink.query(address(kernel_array(mask_status, info, "mask_status")), info.framework)
+
+    def clean_mask(self) -> None:
+        """Collective: every rank of the group, live, with no normal-mode call in flight."""
+        shrink = self._shrinking("clean_mask")
+        self.res.mem.synchronize(self.res.streams.comm)
+        self.res.group.barrier()
+        shrink.clean()
+        self.res.group.barrier()
+
+    def mask_reports(self) -> list[dict[str, Any]]:
+        return self._shrinking("mask_reports").mask_reports()
 
 
 class InternodeFront(IntranodeFront):

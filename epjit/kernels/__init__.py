@@ -28,6 +28,7 @@ from .intranode import (
     LayoutSpec,
     combine_fp8_spec,
     intranode_spec,
+    shrink_spec,
 )
 from .low_latency import (
     LowLatencyPutsShrinkSpec,
@@ -60,6 +61,7 @@ __all__ = [
     "by_stores",
     "check_specs",
     "combine_fp8_spec",
+    "shrink_spec",
     "cuda_sources",
     "internode_combine_fp8_spec",
     "internode_spec",
@@ -104,6 +106,10 @@ def check_specs() -> list[KernelSpec]:
         specs += [IntranodeNotifySpec(ranks), intranode_spec(ranks), combine_fp8_spec(intranode_spec(ranks))]
     # A tuning variant (Config's warp-role fields): the phased dispatch with 3 combine senders a peer.
     specs.append(intranode_spec(4, dispatch_phased=1, combine_send_warps=3))
+    # Shrink mode's builds of notify, dispatch/combine and the FP8 combine (a normal-mode Buffer with enable_shrink)
+    for ranks in (2, 4, 8):
+        specs += [shrink_spec(IntranodeNotifySpec(ranks)), shrink_spec(intranode_spec(ranks)),
+                  combine_fp8_spec(shrink_spec(intranode_spec(ranks)))]
     specs += [LowLatencySpec(), LowLatencyPutsSpec(), LowLatencyStoresSpec()]
     specs += [LowLatencyShrinkSpec(), LowLatencyPutsShrinkSpec(), LowLatencyStoresShrinkSpec()]
     # Across NVLink nodes: the topologies the GPU tier runs (nodes x ranks a node), through NVSHMEM and with the

@@ -3,7 +3,7 @@ buffer layout (cuda_src/intranode.cuh) and the config heuristics. Pure Python: t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ..jit.spec import KernelSpec
 
@@ -131,9 +131,55 @@ class IntranodeCombineFp8Spec(KernelSpec):
     KERNELS = {"intranode_combine_fp8": IntranodeSpec.KERNELS["intranode_combine"]}
 
 
+# Shrink mode (a normal-mode Buffer made with enable_shrink, inside one node): each build again with
+# EPJIT_NORMAL_SHRINK, whose waits on a peer mask it instead of trapping and which leave masked ranks out. A build
+# of its own, so the kernels of a Buffer without it are the code they were (cuda_src/intranode.cu: kShrink).
+NORMAL_SHRINK_OFFSET = 1024  # kNvlShrinkOffset: NormalShrink in this rank's NVLink buffer header
+NORMAL_SHRINK_BYTES = 48  # sizeof(NormalShrink): {records, timeout_ns, int32 mask[kMaxNvlRanks]}
+NORMAL_SHRINK_MASK_AT = 16  # the mask's offset in it
+
+
+@dataclass(frozen=True)
+class IntranodeNotifyShrinkSpec(IntranodeNotifySpec):
+    """IntranodeNotifySpec's build in shrink mode (EPJIT_NORMAL_SHRINK)."""
+
+    DEFINES = ("EPJIT_NORMAL_SHRINK",)
+    BUILD = "intranode_notify_shrink"
+
+
+@dataclass(frozen=True)
+class IntranodeShrinkSpec(IntranodeSpec):
+    """IntranodeSpec's build in shrink mode (EPJIT_NORMAL_SHRINK)."""
+
+    DEFINES = ("EPJIT_NORMAL_SHRINK",)
+    BUILD = "intranode_shrink"
+
+
+@dataclass(frozen=True)
+class IntranodeCombineFp8ShrinkSpec(IntranodeCombineFp8Spec):
+    """IntranodeCombineFp8Spec's build in shrink mode (EPJIT_NORMAL_SHRINK)."""
+
+    DEFINES = ("EPJIT_NORMAL_SHRINK",)
+    BUILD = "intranode_combine_fp8_shrink"
+
+
+SHRINK_BUILDS: dict[type, type] = {IntranodeNotifySpec: IntranodeNotifyShrinkSpec,
+                                   IntranodeSpec: IntranodeShrinkSpec,
+                                   IntranodeCombineFp8Spec: IntranodeCombineFp8ShrinkSpec}
+
+
+def shrink_spec(spec: IntranodeNotifySpec | IntranodeSpec | IntranodeCombineFp8Spec) -> KernelSpec:
+    """The same kernels (fields alike) in shrink mode's build; a shrink build is returned as it is."""
+    build = SHRINK_BUILDS.get(type(spec))
+    if build is None:
+        return spec
+    return build(*(getattr(spec, f.name) for f in fields(spec)))
+
+
 def combine_fp8_spec(spec: IntranodeSpec) -> IntranodeCombineFp8Spec:
-    """The FP8 combine with the warp roles of ``spec``'s combine."""
-    return IntranodeCombineFp8Spec(spec.num_ranks, spec.num_threads, spec.combine_send_warps)
+    """The FP8 combine with the warp roles of ``spec``'s combine (in shrink mode's build for a shrink build)."""
+    fp8 = IntranodeCombineFp8Spec(spec.num_ranks, spec.num_threads, spec.combine_send_warps)
+    return shrink_spec(fp8) if isinstance(spec, IntranodeShrinkSpec) else fp8  # type: ignore[return-value]
 
 
 def default_dispatch_warps(num_ranks: int, num_warps: int) -> tuple[int, int]:

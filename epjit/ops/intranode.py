@@ -27,6 +27,7 @@ from ..kernels.intranode import (
     IntranodeNotifySpec,
     IntranodeSpec,
     normal_grid,
+    shrink_spec,
 )
 from ..memory import MappedHostArray, PeerMemory
 from .loader import load
@@ -52,22 +53,29 @@ from .notify import (
     refusal,
 )
 from .profile import Profile
+from .shrink import NormalShrinkMask
 from .streams import POISON_BYTE, Event, Outputs, Streams, caller_stream, is_capturing
 
 
 class Intranode:
     """Normal mode of a Buffer inside one NVLink node: its kernels, channel claims, host records and estimates."""
 
+    shrink: NormalShrinkMask | None = None  # shrink mode's mask and reports (set in __init__ where it is on)
+
     def __init__(self, mem: PeerMemory, streams: Streams, outputs: Outputs, profile: Profile, device: int,
-                 num_experts: int) -> None:
+                 num_experts: int, shrink_timeout_s: float | None = None) -> None:
+        """``shrink_timeout_s``: shrink mode (the kernels' EPJIT_NORMAL_SHRINK builds), a peer that does not answer
+        within it masked; None: without."""
         import cupy
 
         self.mem, self.streams, self.outputs, self.profile = mem, streams, outputs, profile
         self.device = device
         self.num_ranks = mem.group.size
         self.num_nvl_bytes = mem.nvl.num_bytes if mem.nvl is not None else 0
-        self.notify_module = load(self._notify_spec(), device)
+        if shrink_timeout_s is not None:
+            self.shrink = NormalShrinkMask(mem, self.num_ranks, shrink_timeout_s, streams, device)
         self._modules: dict[Any, jit.Module] = {}
+        self.notify_module = self.module(self._notify_spec())
         self.records = HostRecords(mem.group.rank, self.num_ranks, self.num_nvl_bytes, num_experts, mem.raise_for,
                                    self.FORWARDED)
         self.estimate = RowEstimate(self.num_ranks)
@@ -89,14 +97,16 @@ class Intranode:
         return IntranodeNotifySpec(self.num_ranks)
 
     def module(self, spec: Any) -> jit.Module:
-        """The dispatch/combine module of these warp roles (loaded on first use)."""
+        """The module of this spec (loaded on first use; in shrink mode, its shrink build)."""
         found = self._modules.get(spec)
         if found is None:
-            found = self._modules[spec] = load(spec, self.device)
+            found = self._modules[spec] = load(spec if self.shrink is None else shrink_spec(spec), self.device)
         return found
 
     def close(self) -> None:
         self.records.close()
+        if self.shrink is not None:
+            self.shrink.close()
 
     def check_pending(self, capturing: Callable[[], bool]) -> None:
         self.records.check(capturing)

@@ -45,7 +45,7 @@ from ..kernels.low_latency import (
 from ..memory import IpcHeap, MappedHostArray, PeerMemory, SymmetricHeap
 from .loader import load
 from .profile import Profile
-from .shrink import ShrinkMask, sync_ints
+from .shrink import ShrinkMask, low_latency_shrink, sync_ints
 from .streams import Event, Outputs, Streams, caller_stream
 
 # Protocol constants of cuda_src/low_latency.cu (tests/test_low_latency_layout.py holds them against it).
@@ -274,8 +274,8 @@ class LowLatency:
         with cupy.cuda.Device(device):
             # LowLatencySync + expert_sent (+ shrink mode's words and mask)
             self.sync = cupy.zeros(sync_ints(num_experts, self.num_ranks, shrink), dtype=cupy.int32)
-            self.shrink = ShrinkMask(self.sync, num_experts, self.num_ranks, shrink_timeout_s, mem, streams,
-                                     device) if shrink else None
+            self.shrink = low_latency_shrink(self.sync, num_experts, self.num_ranks, shrink_timeout_s, mem, streams,
+                                               device) if shrink else None
         self.host_status = MappedHostArray(64)  # see the module docstring
         self.status_seen = np.zeros(1 + STATUS_BIT_COUNT, dtype=np.int32)
         self.next_set = 0

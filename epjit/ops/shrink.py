@@ -1,7 +1,10 @@
-"""Shrink mode of the low-latency family (a Buffer made with enable_shrink, docs/reliability.md): the mask, int32 [R]
-in the sync words' device memory after LowLatencySync and expert_sent, which names the ranks neither sent to nor
-waited for; the records the kernels leave of the waits that masked a rank (mapped host memory, WaitRecord [R]); and
-the host's reports of them (status bit STATUS_RANK_MASKED of epjit.ops.low_latency: a warning, not an error)."""
+"""Shrink mode (a Buffer made with enable_shrink, docs/reliability.md): the mask, int32 [R] in device memory, which
+names the ranks neither sent to nor waited for; the records the kernels leave of the waits that masked a rank (mapped
+host memory, WaitRecord [R]); and the host's reports of them (a warning each, not an error).
+
+Low latency keeps its mask in the sync words' device memory after LowLatencySync and expert_sent (status bit
+STATUS_RANK_MASKED of epjit.ops.low_latency tells the host to look); normal mode inside one node in this rank's
+NVLink buffer header (cuda_src/intranode.cuh: NormalShrink), read by the host when asked (mask_reports)."""
 
 from __future__ import annotations
 
@@ -11,8 +14,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import with_rank
+from ..kernels.intranode import NORMAL_SHRINK_MASK_AT, NORMAL_SHRINK_OFFSET
 from ..kernels.low_latency import SHRINK_BYTES, SYNC_BYTES, shrink_offset
-from ..memory import WAIT_RECORD_BYTES, MappedHostArray, PeerMemory, WaitRecord
+from ..memory import NVL_HEADER_BYTES, WAIT_RECORD_BYTES, MappedHostArray, PeerMemory, WaitRecord
 from .streams import Streams, caller_stream
 
 log = logging.getLogger("epjit.low_latency")
@@ -37,15 +41,16 @@ class ShrinkMask:
     zero at creation), the records of the waits that masked a rank (mapped host memory), and the reports the host
     made of them (each a WaitRecord's fields, read once)."""
 
-    def __init__(self, sync: Any, num_experts: int, num_ranks: int, timeout_s: float, mem: PeerMemory,
+    family = "low-latency"  # which calls go on without a masked rank (the warnings say)
+
+    def __init__(self, fields: Any, mask: Any, num_ranks: int, timeout_s: float, mem: PeerMemory,
                  streams: Streams, device: int) -> None:
-        start = shrink_offset(num_experts) // 4
+        """``fields``: int32 [4] device words for {records, timeout_ns} (uint64 each, written once, here); ``mask``:
+        the int32 [num_ranks] mask the kernels read."""
         self.num_ranks, self.mem, self.streams, self.device = num_ranks, mem, streams, device
         self.records = MappedHostArray(WAIT_RECORD_BYTES * num_ranks)
-        self.mask = sync[start + SHRINK_BYTES // 4:start + SHRINK_BYTES // 4 + num_ranks]
-        # LowLatencyShrink {arrived, generation, records, timeout_ns}: the host writes the last two, once.
-        words = np.array([self.records.device_ptr, int(timeout_s * 1e9)], dtype=np.uint64).view(np.int32)
-        sync[start + 2:start + 6].set(words)
+        self.mask = mask
+        fields.set(np.array([self.records.device_ptr, int(timeout_s * 1e9)], dtype=np.uint64).view(np.int32))
         self.reports: list[dict[str, Any]] = []
         self.reported: set[int] = set()
         self.cleans = 0  # clean_low_latency_buffer calls: the clean barrier's rounds are 2 cleans + 1 and + 2
@@ -63,7 +68,7 @@ class ShrinkMask:
             self.reports.append(rec)
             log.warning(with_rank(
                 f"rank {rec['rank']} masked rank {peer}: it did not answer within {rec['elapsed_ns'] / 1e9:.1f} s "
-                f"in {rec['site']} (expected {rec['expected']}, last saw {rec['observed']}); the low-latency "
+                f"in {rec['site']} (expected {rec['expected']}, last saw {rec['observed']}); the {self.family} "
                 "calls go on without it (EPJIT_SHRINK_TIMEOUT_S sets the limit)"))
 
     def forget(self) -> None:
@@ -103,4 +108,45 @@ class ShrinkMask:
         return list(self.reports)
 
 
-__all__ = ["ShrinkMask", "sync_ints"]
+def low_latency_shrink(sync: Any, num_experts: int, num_ranks: int, timeout_s: float, mem: PeerMemory,
+                       streams: Streams, device: int) -> ShrinkMask:
+    """The low-latency mask: LowLatencyShrink {arrived, generation, records, timeout_ns} in the sync words, the mask
+    after it."""
+    start = shrink_offset(num_experts) // 4
+    mask = sync[start + SHRINK_BYTES // 4:start + SHRINK_BYTES // 4 + num_ranks]
+    return ShrinkMask(sync[start + 2:start + 6], mask, num_ranks, timeout_s, mem, streams, device)
+
+
+class NormalShrinkMask(ShrinkMask):
+    """Normal mode's mask inside one node: NormalShrink {records, timeout_ns, mask[8]} in the reserved words of this
+    rank's NVLink buffer header (zeroed with the buffer). Its clean is collective: every rank of the group, live,
+    unmasks every rank and zeroes its barrier rows (a rank that left may have left its signals there)."""
+
+    family = "normal-mode"
+
+    def __init__(self, mem: PeerMemory, num_ranks: int, timeout_s: float, streams: Streams, device: int) -> None:
+        cupy = _cupy()
+        assert mem.nvl is not None
+        self.header = int(mem.nvl.base)  # the NVLink buffer's own allocation begins with its header
+        with cupy.cuda.Device(device):
+            words = cupy.ndarray((NVL_HEADER_BYTES // 4,), dtype=cupy.int32, memptr=cupy.cuda.MemoryPointer(
+                cupy.cuda.UnownedMemory(self.header, NVL_HEADER_BYTES, mem.nvl), 0))
+        start = NORMAL_SHRINK_OFFSET // 4
+        mask_at = start + NORMAL_SHRINK_MASK_AT // 4
+        self.words = words
+        super().__init__(words[start:start + 4], words[mask_at:mask_at + num_ranks], num_ranks, timeout_s, mem,
+                         streams, device)
+
+    def clean(self) -> None:
+        """Unmask every rank and zero this rank's barrier rows (NVLink header, but for NormalShrink's fields); the
+        caller holds every rank of the group between two host barriers."""
+        cupy = _cupy()
+        start = NORMAL_SHRINK_OFFSET // 4
+        with cupy.cuda.Device(self.device), self.streams.comm:
+            self.words[:start].fill(0)
+            self.words[start + 4:].fill(0)  # the mask, the reserved words and the channel barrier rows
+        self.mem.synchronize(self.streams.comm)
+        self.forget()
+
+
+__all__ = ["NormalShrinkMask", "ShrinkMask", "low_latency_shrink", "sync_ints"]

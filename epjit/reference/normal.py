@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from ._checks import (
     per_rank,
     type_error,
 )
+from .low_latency import _masked_ranks
 from .numerics import fp8_round_trip
 from .results import BF16, FP8, FP8_BLOCK, Bias, CombineResult, DispatchHandle, DispatchResult, Layout
 
@@ -239,7 +240,8 @@ def dispatch(
     x_scales: Sequence[np.ndarray] | None = None,
     expert_alignment: int = 1,
     num_worst_tokens: int = 0,
-) -> list[DispatchResult]:
+    masked_ranks: Iterable[int] = (),
+) -> list[DispatchResult | None]:
     """Normal-mode dispatch over ``len(xs)`` simulated ranks.
 
     ``xs[r]`` is ``[N_r, H]`` bf16, or FP8 (uint8 bits / float8_e4m3fn) with ``x_scales[r]`` ``[N_r, H/128]``
@@ -254,8 +256,19 @@ def dispatch(
     - with ``num_worst_tokens > 0`` every output has exactly that many rows; padding rows have ``topk_idx`` -1,
       weights 0, and zeros in ``x``/``x_scales`` (GPU kernels leave ``x`` there undefined: compare only the first
       ``handle.num_recv_tokens`` rows of ``x``). More received rows than ``num_worst_tokens`` is an ArgumentError.
+
+    ``masked_ranks`` (shrink mode, the call's mask): those ranks take no part. Nothing arrives from a masked source
+    (as if it had no tokens: its rows of ``rank_prefix_matrix`` add nothing), and a masked rank's own result is None.
     """
     num_ranks = len(per_rank("xs", xs))
+    masked = _masked_ranks(masked_ranks, num_ranks)
+    if masked:  # a masked rank's inputs are not read: a live rank's, cut to no tokens, stand in for them
+        live = next((r for r in range(num_ranks) if r not in masked), None)
+        if live is None:
+            raise argument_error(f"masked_ranks={sorted(masked)} masks every one of the {num_ranks} ranks")
+        xs, topk_idx = _no_tokens(xs, live, masked), _no_tokens(topk_idx, live, masked)
+        topk_weights = None if topk_weights is None else _no_tokens(topk_weights, live, masked)
+        x_scales = None if x_scales is None else _no_tokens(x_scales, live, masked)
     num_experts, num_local = check_num_experts(num_experts, num_ranks)
     topk_idx = per_rank("topk_idx", topk_idx, num_ranks)
     expert_alignment = check_int(expert_alignment, "expert_alignment", 1)
@@ -270,7 +283,12 @@ def dispatch(
             raise argument_error(f"rank {r} receives {num_recv} tokens but num_worst_tokens={num_worst_tokens}")
         num_rows = num_worst_tokens if num_worst_tokens > 0 else num_recv
         results.append(_dispatch_to_rank(inputs, routing, r, num_rows, num_local, expert_alignment))
-    return results
+    return [None if r in masked else res for r, res in enumerate(results)]
+
+
+def _no_tokens(arrays: Sequence[Any], live: int, masked: frozenset[int]) -> list[Any]:
+    """Each rank's array, a masked rank's replaced by ``live``'s cut to no rows."""
+    return [np.asarray(arrays[live])[:0] if r in masked else arrays[r] for r, _ in enumerate(arrays)]
 
 
 def _check_handles(handles: Sequence[DispatchHandle]) -> None:
@@ -343,7 +361,7 @@ def _add_returned_rows(
     acc: np.ndarray,
     weights_acc: np.ndarray | None,
     src: int,
-    ranks: range,
+    ranks: Sequence[int],
     handles: list[DispatchHandle],
     ys: list[np.ndarray],
     weights: list[np.ndarray] | None,
@@ -381,7 +399,8 @@ def combine(
     bias: Sequence[Bias] | None = None,
     num_nvl_ranks: int | None = None,
     use_fp8: bool = False,
-) -> list[CombineResult]:
+    masked_ranks: Iterable[int] = (),
+) -> list[CombineResult | None]:
     """Normal-mode combine, the adjoint of :func:`dispatch`.
 
     ``ys[r]`` is ``[handles[r].num_rows, H]`` bf16, row ``i`` answering received row ``i`` of rank ``r``
@@ -417,9 +436,18 @@ def combine(
             acc += fp8_to_float(*per_token_cast_to_fp8(p))
 
     With ``V = 1`` both give the same bits. Bias and weights are not quantised.
+
+    ``masked_ranks`` (shrink mode, inside one node): the ranks masked when the combine ended. A masked rank returns
+    no rows (its experts' terms are zero) and its own result is None; its ``ys`` and ``handles`` entries are not read
+    (None will do), so a rank masked after the dispatch (one that left between dispatch and combine) is dropped here.
     """
-    handles = per_rank("handles", handles)
+    handles = list(per_rank("handles", handles))
     num_ranks = len(handles)
+    masked = _masked_ranks(masked_ranks, num_ranks)
+    if masked:
+        if check_num_nvl_ranks(num_nvl_ranks, num_ranks) is not None:
+            raise argument_error("masked_ranks is for one NVLink node (num_nvl_ranks None or the ranks)")
+        return _combine_masked(ys, handles, topk_weights, bias, use_fp8, masked)
     nvl = check_num_nvl_ranks(num_nvl_ranks, num_ranks)
     ys = per_rank("ys", ys, num_ranks)
     _check_handles(handles)
@@ -455,3 +483,31 @@ def combine(
         CombineResult(x=acc[s].astype(BF16), topk_weights=None if weights_acc is None else weights_acc[s])
         for s in range(num_ranks)
     ]
+
+
+def _combine_masked(ys: Sequence[Any], handles: list[Any], topk_weights: Sequence[Any] | None,
+                    bias: Sequence[Bias] | None, use_fp8: Any, masked: frozenset[int]) -> list[CombineResult | None]:
+    """combine inside one node with masked ranks: a live rank's tokens sum the rows the live ranks return, in rank
+    order after the bias; a masked rank's entries are stand-ins (a live rank's), never summed."""
+    num_ranks = len(handles)
+    live = [r for r in range(num_ranks) if r not in masked]
+    if not live:
+        raise argument_error(f"masked_ranks={sorted(masked)} masks every one of the {num_ranks} ranks")
+
+    def stand_in(values: Sequence[Any]) -> list[Any]:
+        return [values[live[0]] if r in masked else values[r] for r in range(num_ranks)]
+
+    handles = stand_in(handles)
+    ys_in, weights_in = _check_combine_inputs(stand_in(per_rank("ys", ys, num_ranks)), handles,
+                                              None if topk_weights is None else stand_in(topk_weights))
+    if check_flag(use_fp8, "use_fp8"):
+        check_hidden_fp8(ys_in[0].shape[1], "ys")
+        ys_in = _fp8_round_trips(ys_in)
+    num_tokens = [h.is_token_in_rank.shape[0] for h in handles]
+    acc = _combine_bias(None if bias is None else stand_in(bias), num_tokens, ys_in[0].shape[1])
+    results: list[CombineResult | None] = [None] * num_ranks
+    for s in live:
+        w_acc = None if weights_in is None else np.zeros((num_tokens[s], weights_in[0].shape[1]), dtype=np.float32)
+        _add_returned_rows(acc[s], w_acc, s, live, handles, ys_in, weights_in)
+        results[s] = CombineResult(x=acc[s].astype(BF16), topk_weights=w_acc)
+    return results
