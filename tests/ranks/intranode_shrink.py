@@ -17,11 +17,8 @@ os._exit(0): a Buffer shared with a dead rank cannot be closed collectively.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -30,19 +27,16 @@ import numpy as np
 import torch
 from intranode import BF16, make_inputs, same, to_numpy, to_torch  # noqa: E402  (sibling script)
 from low_latency import sync  # noqa: E402
+from shrink_loop import ITERATIONS, LEAVE_AT, VICTIM, finish, read_mask, run_in_child  # noqa: E402
 
 import epjit
 from epjit import reference
 
-VICTIM, LEAVE_AT, ITERATIONS = 1, 3, 7
 M, HIDDEN, TOPK = 24, 1024, 4
 
 
 def masked_now(buf, n: int) -> set[int]:
-    status = torch.zeros(n, dtype=torch.int32, device="cuda")
-    buf.query_mask(status)
-    sync(buf)
-    return {int(r) for r in torch.nonzero(status).flatten().tolist()}
+    return read_mask(buf, buf.query_mask, n)
 
 
 def inputs(seed: int, n: int, experts: int):
@@ -120,26 +114,9 @@ def worker(mode: str) -> int:
     if mode == "update":  # every rank live: the collective clean, then one iteration with nobody masked
         buf.clean_mask()
         after_clean = [sorted(m) for m in iteration(buf, rank, n, 2000, experts)]
-    print("RESULT " + json.dumps({
-        "rank": rank, "mode": mode, "masks": masks, "after_clean": after_clean,
-        "reports": [{k: r[k] for k in ("rank", "peer", "site", "elapsed_ns")} for r in reports],
-        "seconds": round(time.monotonic() - started, 1)}), flush=True)
-    os._exit(0)  # no collective close with a dead rank (docs/reliability.md)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("update", "stop", "kill"), required=True)
-    parser.add_argument("--worker", action="store_true")
-    args = parser.parse_args()
-    if args.worker:
-        return worker(args.mode)
-    child = subprocess.run([sys.executable, __file__, "--mode", args.mode, "--worker"], check=False, timeout=240)
-    rank = int(os.environ.get("EPJIT_RANK", "-1"))
-    if rank == VICTIM and child.returncode in (0, -signal.SIGKILL):
-        return 0
-    return child.returncode
+    finish(rank, mode, masks, after_clean, reports, started)
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_in_child(__file__, worker))

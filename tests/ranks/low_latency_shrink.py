@@ -16,29 +16,24 @@ os._exit(0): a Buffer shared with a dead rank cannot be closed collectively.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
 import torch
 from intranode import same, to_numpy, to_torch  # noqa: E402  (sibling rank script)
 from low_latency import expert_outputs, make_inputs, sync  # noqa: E402
+from shrink_loop import ITERATIONS, LEAVE_AT, VICTIM, finish, read_mask, run_in_child  # noqa: E402
 
 import epjit
 from epjit import reference
 
-VICTIM, LEAVE_AT, ITERATIONS = 1, 3, 7
 M, HIDDEN, TOPK = 16, 1024, 4
 
 
 def masked_now(buf, n: int) -> set[int]:
-    status = torch.zeros(n, dtype=torch.int32, device="cuda")
-    buf.low_latency_query_mask_buffer(status)
-    return {int(r) for r in torch.nonzero(status).flatten().tolist()}
+    return read_mask(buf, buf.low_latency_query_mask_buffer, n)
 
 
 def iteration(buf, rank: int, n: int, seed: int, experts: int) -> tuple[set[int], set[int]]:
@@ -89,27 +84,9 @@ def worker(mode: str) -> int:
         masks.append([sorted(m) for m in iteration(buf, rank, n, 1000 + i, experts)])
     buf.clean_low_latency_buffer()
     after_clean = iteration(buf, rank, n, 2000, experts)
-    reports = buf.low_latency_mask_reports()
-    print("RESULT " + json.dumps({
-        "rank": rank, "mode": mode, "masks": masks, "after_clean": [sorted(m) for m in after_clean],
-        "reports": [{k: r[k] for k in ("rank", "peer", "site", "elapsed_ns")} for r in reports],
-        "seconds": round(time.monotonic() - started, 1)}), flush=True)
-    os._exit(0)  # no collective close with a dead rank (docs/reliability.md)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("update", "stop", "kill"), required=True)
-    parser.add_argument("--worker", action="store_true")
-    args = parser.parse_args()
-    if args.worker:
-        return worker(args.mode)
-    child = subprocess.run([sys.executable, __file__, "--mode", args.mode, "--worker"], check=False)
-    rank = int(os.environ.get("EPJIT_RANK", "-1"))
-    if rank == VICTIM and child.returncode in (0, -signal.SIGKILL):
-        return 0
-    return child.returncode
+    finish(rank, mode, masks, [sorted(m) for m in after_clean], buf.low_latency_mask_reports(), started)
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_in_child(__file__, worker))
