@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..env import Settings
-from ..errors import EpjitError, with_rank
+from ..errors import ArgumentError, EpjitError, check_int, with_rank
 from ..group import Group
 from ..memory import PeerMemory
 from ..ops.profile import Profile
@@ -73,3 +73,11 @@ class Absent:
             raise EpjitError(with_rank(self.why))
 
         return refuse
+
+
+def check_rank_to_mask(rank_to_mask: Any, num_ranks: int) -> int:
+    """A shrink-mode mask update's rank, checked: an int naming one of the Buffer's ranks."""
+    rank = check_int(rank_to_mask, "rank_to_mask")
+    if rank >= num_ranks:
+        raise ArgumentError(with_rank(f"rank_to_mask={rank} is not a rank of this Buffer's {num_ranks}"))
+    return rank

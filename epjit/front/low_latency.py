@@ -23,7 +23,7 @@ from ..ops.low_latency import (
     LowLatencyDispatchResult,
     LowLatencyHandle,
 )
-from .common import Plans, Resources
+from .common import Plans, Resources, check_rank_to_mask
 
 
 def low_latency_rdma_bytes(group: Group, m: int, h: int, e: int, num_rdma_bytes: int) -> int:
@@ -231,10 +231,7 @@ class LowLatencyFront:
 
     def update_mask(self, rank_to_mask: Any, mask: Any) -> None:
         self._shrink_call("low_latency_update_mask_buffer")
-        rank = check_int(rank_to_mask, "rank_to_mask")
-        if rank >= self.num_ranks:
-            raise ArgumentError(with_rank(f"rank_to_mask={rank} is not a rank of this Buffer's {self.num_ranks}"))
-        self.ops.shrink.update(rank, check_flag(mask, "mask"))
+        self.ops.shrink.update(check_rank_to_mask(rank_to_mask, self.num_ranks), check_flag(mask, "mask"))
 
     def query_mask(self, mask_status: Any) -> None:
         self._shrink_call("low_latency_query_mask_buffer")

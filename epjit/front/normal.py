@@ -31,7 +31,7 @@ from ..ops.normal import (
 )
 from ..ops.shrink import NormalShrinkMask
 from ..ops.streams import Event, caller_stream, is_capturing
-from .common import Plans, Resources
+from .common import Plans, Resources, check_rank_to_mask
 
 
 class IntranodeFront:
@@ -352,9 +352,7 @@ class IntranodeFront:
 
     def update_mask(self, rank_to_mask: Any, mask: Any) -> None:
         shrink = self._shrinking("update_mask")
-        rank = check_int(rank_to_mask, "rank_to_mask")
-        if rank >= self.num_ranks:
-            raise ArgumentError(with_rank(f"rank_to_mask={rank} is not a rank of this Buffer's {self.num_ranks}"))
+        rank = check_rank_to_mask(rank_to_mask, self.num_ranks)
         if rank == self.res.group.rank:
             raise ArgumentError(with_rank(f"rank_to_mask={rank} is this rank: a rank masks its peers"))
         shrink.update(rank, check_flag(mask, "mask"))
