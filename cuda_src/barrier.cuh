@@ -16,6 +16,27 @@ namespace epjit {
 
 constexpr int kBarrierTag = 1 << 20;
 
+// Entering: with kFenceFirst, everything this block wrote before the barrier (to any GPU) is made visible
+// system-wide before a peer can see our arrival: each thread fences its own writes, bar.sync orders them before the
+// releases of nvl_barrier_arrive.
+template <bool kFenceFirst>
+__device__ __forceinline__ void nvl_barrier_enter() {
+    if (kFenceFirst) {
+        ptx::fence_acq_rel_sys();
+        __syncthreads();
+    }
+}
+
+// Thread t's arrival for nvl rank t: +kBarrierTag in slot t of this rank's (`me`'s) row, -kBarrierTag in slot `me`
+// of t's row. Returns this rank's row, whose slot t the caller then waits to see <= 0.
+__device__ __forceinline__ int* nvl_barrier_arrive(const PeersTable* peers, int me, int t, int64_t row_offset) {
+    int* my_row = nvl_ptr<int>(peers, me, row_offset);
+    int* peer_row = nvl_ptr<int>(peers, t, row_offset);
+    ptx::red_add_release_sys_s32(my_row + t, kBarrierTag);
+    ptx::red_add_release_sys_s32(peer_row + me, -kBarrierTag);
+    return my_row;
+}
+
 // `channel` names the wait in a timeout report (-1: the block's index). kFenceFirst = false is for a caller whose
 // only writes a peer must see are thread t's, for peer t: thread t's own releases below carry them, and the
 // block-wide system fence is skipped.
@@ -25,17 +46,9 @@ __device__ __forceinline__ void nvl_barrier_block(const PeersTable* peers, const
     static_assert(kNumNvlRanks <= kMaxNvlRanks, "too many NVLink ranks");
     const int t = static_cast<int>(threadIdx.x);
     const int me = peers->nvl_rank;
-    // Everything this block wrote before the barrier (to any GPU) must be visible system-wide before a peer
-    // can see our arrival: each thread fences its own writes, bar.sync orders them before the releases below.
-    if (kFenceFirst) {
-        ptx::fence_acq_rel_sys();
-        __syncthreads();
-    }
+    nvl_barrier_enter<kFenceFirst>();
     if (t < kNumNvlRanks) {
-        int* my_row = nvl_ptr<int>(peers, me, row_offset);
-        int* peer_row = nvl_ptr<int>(peers, t, row_offset);
-        ptx::red_add_release_sys_s32(my_row + t, kBarrierTag);
-        ptx::red_add_release_sys_s32(peer_row + me, -kBarrierTag);
+        const int* my_row = nvl_barrier_arrive(peers, me, t, row_offset);
         // The acquire load pairs with the peer's release subtraction: once we see it, the peer's earlier
         // writes (into our buffer, say) are visible to this thread, and bar.sync below extends that to the block.
         const int peer_rank = peers->rank - me + t;
@@ -59,16 +72,10 @@ __device__ __forceinline__ void nvl_barrier_block_live(const PeersTable* peers, 
     static_assert(kNumNvlRanks <= kMaxNvlRanks, "too many NVLink ranks");
     const int t = static_cast<int>(threadIdx.x);
     const int me = peers->nvl_rank;
-    if (kFenceFirst) {
-        ptx::fence_acq_rel_sys();
-        __syncthreads();
-    }
+    nvl_barrier_enter<kFenceFirst>();
     const int peer_rank = peers->rank - me + t;
     if (t < kNumNvlRanks && (t == me || (!(skip >> t & 1) && ptx::ld_volatile_s32(m.mask + peer_rank) == 0))) {
-        int* my_row = nvl_ptr<int>(peers, me, row_offset);
-        int* peer_row = nvl_ptr<int>(peers, t, row_offset);
-        ptx::red_add_release_sys_s32(my_row + t, kBarrierTag);
-        ptx::red_add_release_sys_s32(peer_row + me, -kBarrierTag);
+        const int* my_row = nvl_barrier_arrive(peers, me, t, row_offset);
         const int where = channel >= 0 ? channel : static_cast<int>(blockIdx.x);
         bool masked_now;
         timeout_while_unmasked(peers, m, WaitSite{site, peer_rank, where, 0}, masked_now, [&](int64_t& seen) {
