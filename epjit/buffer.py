@@ -16,12 +16,23 @@ raises the same error on every call, and a good one costs the host well under a 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from .config import Config, rdma_size_hint
 from .env import settings
 from .errors import ArgumentError, ArgumentTypeError, EpjitError, SetupError, check_flag, check_int, with_rank
-from .front import CLOSED, Absent, Resources, checked_sizes, fronts, nvl_size_hint
+from .front import (
+    CLOSED,
+    Absent,
+    InternodeFront,
+    LowLatencyFront,
+    Resources,
+    both_modes,
+    checked_sizes,
+    fronts,
+    nvl_size_hint,
+)
 from .group import Group
 from .kernels import BarrierSpec
 from .kernels.low_latency import low_latency_size_hint
@@ -99,6 +110,38 @@ class Buffer:
             raise
         self.comm_stream = streams.comm
         self._closed = False
+
+    def _add_low_latency(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int,
+                         enable_shrink: bool = False) -> None:
+        """Collective: give a normal-mode Buffer across NVLink nodes low-latency mode for these sizes, as if it had
+        been made with low_latency_mode=True: its region the heap's last get_low_latency_size_hint bytes, normal
+        mode's later calls the heap before them (epjit.deep_ep, whose Buffers learn the low-latency sizes at their
+        first low-latency call). Waits for every rank's normal-mode work, which may have used those bytes."""
+        if self._closed:
+            raise EpjitError(with_rank(CLOSED))
+        normal = self._normal
+        if self.low_latency_mode or not isinstance(normal, InternodeFront):
+            raise EpjitError(with_rank("only a normal-mode Buffer across NVLink nodes takes low-latency mode later"))
+        sizes = tuple(check_int(value, name, 1) for name, value in (
+            ("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
+            ("num_experts", num_experts)))
+        checked_sizes(self.group, self.num_nvl_bytes, self.num_rdma_bytes, True, *sizes)
+        self.mem.synchronize(self.comm_stream)
+        self.group.barrier()  # no rank's normal-mode kernel still writes into the region
+        res = replace(normal.res, num_max_dispatch_tokens_per_rank=sizes[0], hidden=sizes[1], num_experts=sizes[2],
+                      enable_shrink=check_flag(enable_shrink, "enable_shrink"))
+        normal_res, low_latency_res = both_modes(res)
+        low_latency = LowLatencyFront(low_latency_res)
+        try:
+            low_latency.ops.clean()  # the region zeroed, as a new heap is
+            self.group.barrier()  # every rank's before any rank's first low-latency call writes to it
+        except BaseException:
+            low_latency.close()
+            raise
+        normal.res = replace(normal.res, low_latency_heap_bytes=normal_res.low_latency_heap_bytes)
+        normal.plans.clear()  # checked against the whole heap
+        self._low_latency, self.low_latency_mode, self.enable_shrink = low_latency, True, res.enable_shrink
+        self.num_max_dispatch_tokens_per_rank, self.hidden, self.num_experts = sizes
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 

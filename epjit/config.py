@@ -232,8 +232,10 @@ def config_key(config: Any) -> Any:
 
 
 def check_normal_sizes(num_ranks: int, num_nvl_ranks: int, num_nvl_bytes: int, num_rdma_bytes: int,
-                       num_experts: int, low_latency_mode: bool) -> None:
-    """A normal-mode Buffer's sizes (the same on every rank): enough for the control words any call needs."""
+                       num_experts: int, low_latency_bytes: int = 0) -> None:
+    """A normal-mode Buffer's sizes (the same on every rank): enough for the control words any call needs. Across
+    nodes, ``low_latency_bytes``: what low-latency mode takes of num_rdma_bytes after normal mode's region (a Buffer
+    serving both)."""
     if num_nvl_ranks == num_ranks:
         minimum = intranode_min_nvl_bytes(num_ranks, MAX_CHANNELS)
         if num_nvl_bytes < minimum:
@@ -242,24 +244,30 @@ def check_normal_sizes(num_ranks: int, num_nvl_ranks: int, num_nvl_bytes: int, n
                 f"needs; Buffer.get_normal_size_hint(...) gives a size for given shapes"))
         return
     nodes, cap = num_ranks // num_nvl_ranks, expert_cap(num_experts)
-    if low_latency_mode:
-        raise ArgumentError(with_rank(
-            f"a Buffer across NVLink nodes ({nodes} of {num_nvl_ranks} ranks) serves normal mode or low-latency "
-            "mode, not both yet: make one Buffer of each (num_nvl_bytes=0 for the low-latency one)"))
     minimum = (internode.nvl_fixed_bytes(num_ranks, nodes, cap), internode.heap_fixed_bytes(num_ranks, nodes, cap))
     for name, given, least in (("num_nvl_bytes", num_nvl_bytes, minimum[0]),
-                               ("num_rdma_bytes", num_rdma_bytes, minimum[1])):
-        if given < least:
+                               ("num_rdma_bytes", num_rdma_bytes - low_latency_bytes, minimum[1])):
+        if given >= least:
+            continue
+        if name == "num_rdma_bytes" and low_latency_bytes:
             raise ArgumentError(with_rank(
-                f"{name}={given} is below the {least} bytes of control words every call across {nodes} NVLink "
-                f"nodes needs; Buffer.get_normal_size_hint(..., num_nvl_ranks={num_nvl_ranks}) and "
-                "get_rdma_size_hint(...) give sizes for given shapes"))
+                f"num_rdma_bytes={num_rdma_bytes} is below the {least + low_latency_bytes} bytes a Buffer serving "
+                f"both modes across {nodes} NVLink nodes needs: normal mode's region first, at least {least} bytes "
+                f"of control words (Buffer.get_rdma_size_hint(..., num_nvl_ranks={num_nvl_ranks}) for given "
+                f"shapes), then low-latency mode's {low_latency_bytes} (Buffer.get_low_latency_size_hint(...)): "
+                "give their sum"))
+        raise ArgumentError(with_rank(
+            f"{name}={given} is below the {least} bytes of control words every call across {nodes} NVLink "
+            f"nodes needs; Buffer.get_normal_size_hint(..., num_nvl_ranks={num_nvl_ranks}) and "
+            "get_rdma_size_hint(...) give sizes for given shapes"))
 
 
 def check_internode_need(config: Config, num_ranks: int, num_nvl_ranks: int, hidden: int, num_topk: int,
-                         num_experts: int, buffer_experts: int, sizes: tuple[int, int], what: str) -> None:
-    """An internode call's layout fits the Buffer's NVLink buffer and heap (sizes), and its experts the notify
-    areas; every rank computes the same from the same sizes (a mismatch is notify's to report)."""
+                         num_experts: int, buffer_experts: int, sizes: tuple[int, int], what: str,
+                         low_latency_bytes: int = 0) -> None:
+    """An internode call's layout fits the Buffer's NVLink buffer and heap (sizes; of the heap, what low-latency
+    mode's region after it leaves: ``low_latency_bytes``), and its experts the notify areas; every rank computes
+    the same from the same sizes (a mismatch is notify's to report)."""
     cap = expert_cap(buffer_experts)
     if num_experts > cap:
         raise ArgumentError(with_rank(
@@ -267,9 +275,11 @@ def check_internode_need(config: Config, num_ranks: int, num_nvl_ranks: int, hid
             f"num_experts={num_experts}"))
     need = config.internode_bytes(num_ranks, num_nvl_ranks, hidden, num_topk, cap)
     for name, label, have, want in zip(("num_nvl_bytes", "num_rdma_bytes"), ("NVLink buffer", "symmetric heap"),
-                                       sizes, need, strict=True):
+                                       (sizes[0], sizes[1] - low_latency_bytes), need, strict=True):
         if want > have:
+            given = f"{name}={have}" if name == "num_nvl_bytes" or not low_latency_bytes else (
+                f"num_rdma_bytes={sizes[1]}, of which low-latency mode's region takes the last {low_latency_bytes}")
             raise ArgumentError(with_rank(
                 f"this {what} needs {want} bytes of {label} (hidden={hidden}, top-{num_topk}, {config}) but the "
-                f"Buffer has {name}={have}: use Buffer.get_normal_size_hint / get_rdma_size_hint(..., "
+                f"Buffer has {given}: use Buffer.get_normal_size_hint / get_rdma_size_hint(..., "
                 f"num_nvl_ranks={num_nvl_ranks})"))

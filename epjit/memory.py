@@ -7,6 +7,7 @@ collective (a peer may still be reading our memory until everyone has arrived).
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -393,6 +394,7 @@ class PeerMemory:
     wait_record: WaitRecord
     table: Any  # cupy uint8 array of PEERS_TABLE_BYTES in device memory
     setup_seconds: dict[str, float]  # set-up seconds: nvl, symmetric (NVSHMEM init + heap, or IPC), table
+    owner: PeerMemory | None = None  # a region of that PeerMemory (tail_region), which owns the memory
 
     @classmethod
     def create(cls, group: Group, num_nvl_bytes: int, num_rdma_bytes: int, timeout_s: float | None = None,
@@ -446,6 +448,30 @@ class PeerMemory:
     def table_ptr(self) -> int:
         return int(self.table.data.ptr)
 
+    def tail_region(self, num_bytes: int) -> PeerMemory:
+        """The last ``num_bytes`` (a multiple of 256) of the symmetric region as a PeerMemory of its own: the same
+        NVLink buffer and wait record, a symmetric region that begins that far in on every rank, and a PeersTable
+        that says so. Kernels address the heap from sym_base and sym_peer only, so they run unchanged in it: a
+        Buffer serving both modes across nodes gives it to low-latency mode. Closing it frees its table only."""
+        sym = self.sym
+        if sym is None or num_bytes % _ALIGN or not 0 < num_bytes <= sym.num_bytes:
+            raise ValueError(f"tail_region({num_bytes}) of a symmetric region of "
+                             f"{None if sym is None else sym.num_bytes} bytes")
+        import cupy
+
+        offset = sym.num_bytes - num_bytes  # a multiple of 256, as both sizes are
+        region = copy.copy(sym)  # the same kind (IpcHeap or SymmetricHeap): the kernels are chosen by it
+        region.base, region.num_bytes = sym.base + offset, num_bytes
+        region.peer_ptrs = [ptr + offset if ptr else 0 for ptr in sym.peer_ptrs]  # 0: reached by puts, not moved
+        host = cupy.asnumpy(self.table)
+        o = PEERS_TABLE_OFFSETS
+        host[o["sym_bytes"]:o["sym_bytes"] + 8].view(np.int64)[:] = num_bytes
+        host[o["sym_base"]:o["sym_base"] + 8].view(np.uint64)[:] = region.base
+        host[o["sym_peer"]:o["sym_peer"] + 8 * len(region.peer_ptrs)].view(np.uint64)[:] = region.peer_ptrs
+        table = cupy.asarray(host)
+        cupy.cuda.runtime.deviceSynchronize()
+        return PeerMemory(self.group, self.nvl, region, self.wait_record, table, {}, owner=self)
+
     def nvl_payload_ptr(self, nvl_rank: int | None = None) -> int:
         """Device address of the payload of nvl rank's buffer (default: mine), as mapped in this process."""
         if self.nvl is None:
@@ -474,6 +500,9 @@ class PeerMemory:
         """Collective. Closes the symmetric region (NVSHMEM's heap or IPC memory), the IPC mappings and the wait
         record."""
         if self.table is None:
+            return
+        if self.owner is not None:  # a region: the owner closes the memory
+            self.table = None
             return
         try:
             if self.sym is not None:

@@ -294,8 +294,12 @@ class FakeEpjitBuffer:
     def low_latency_clean_mask_buffer(self):
         self._record("low_latency_clean_mask_buffer")
 
+    def _add_low_latency(self, *sizes, **kwargs):
+        self._record("_add_low_latency", *sizes, **kwargs)
+
     def close(self):
         self.closed = True
+        self.closes = getattr(self, "closes", 0) + 1
 
 
 @pytest.fixture
@@ -345,16 +349,36 @@ def test_construction_makes_a_normal_buffer_or_waits_for_the_low_latency_sizes(m
         Buffer(None)
 
 
-def test_a_normal_buffer_across_nvlink_nodes_gets_the_heap_and_keeps_low_latency_apart():
+def test_across_nvlink_nodes_a_buffer_of_both_modes_is_one_epjit_buffer(made, monkeypatch):
     """Across nodes the epjit normal-mode Buffer needs the symmetric heap too: the deep_ep Buffer hands it
-    num_rdma_bytes (and makes its low-latency Buffer apart, which epjit's Buffer asks of a Buffer across nodes)."""
-    from epjit.config import check_normal_sizes
-
-    with pytest.raises(ArgumentError, match="serves normal mode or low-latency mode, not both yet"):
-        check_normal_sizes(16, 8, 1 << 30, 1 << 30, 256, True)
-    with pytest.raises(ArgumentError, match="num_rdma_bytes=0 is below"):
-        check_normal_sizes(16, 8, 1 << 30, 0, 256, False)
-    check_normal_sizes(16, 8, 1 << 30, 1 << 30, 256, False)
+    num_rdma_bytes, twice over where it serves low-latency mode as well (epjit's modes lie one after the other in
+    the heap, DeepEP's share it), and the first low-latency call adds low-latency mode to that same Buffer."""
+    group = SimpleNamespace(rank=1, size=2, device=0, num_nvl_ranks=1)  # 2 nodes of 1
+    monkeypatch.setattr(buffer_module, "_make_group", lambda g, comm: group)
+    normal_only = Buffer(object(), 1 << 20, 1 << 24)
+    assert made[0].kwargs == {"num_nvl_bytes": 1 << 20, "num_rdma_bytes": 1 << 24}
+    both = Buffer(object(), 1 << 20, 1 << 24, low_latency_mode=True, enable_shrink=True, explicitly_destroy=True)
+    assert len(made) == 2 and made[1].kwargs == {"num_nvl_bytes": 1 << 20, "num_rdma_bytes": 2 << 24}
+    both.low_latency_update_mask_buffer(1, True)  # kept until low-latency mode is there
+    recv_x, *_ = both.low_latency_dispatch(np.zeros((3, 256)), _ints(3, 4), 32, 8, use_fp8=False)
+    assert len(made) == 2 and both._ll is both._normal is made[1] and recv_x == "recv_x"
+    assert [c[0] for c in made[1].calls] == ["_add_low_latency", "low_latency_update_mask_buffer",
+                                             "low_latency_dispatch"]
+    assert made[1].calls[0][1:] == ((32, 256, 8), {"enable_shrink": True})
+    both.clean_low_latency_buffer(32, 256, 8)
+    both.get_dispatch_layout(_ints(7, 4), 16)  # normal mode, on the same epjit Buffer
+    assert [c[0] for c in made[1].calls][-2:] == ["clean_low_latency_buffer", "get_dispatch_layout"]
+    both.destroy()
+    assert made[1].closes == 1
+    small = Buffer(object(), 1 << 20, 4096, low_latency_mode=True)
+    need = Buffer.get_low_latency_rdma_size_hint(32, 256, 2, 8)
+    with pytest.raises(ArgumentError, match=rf"num_rdma_bytes=4096 is below the {need} bytes low-latency mode "
+                                            r"needs for .* = \(32, 256, 8\) on 2 ranks"):
+        small.low_latency_dispatch(np.zeros((3, 256)), _ints(3, 4), 32, 8, use_fp8=False)
+    assert not made[2].calls and normal_only._one_buffer is False
+    monkeypatch.setattr(group, "num_nvl_ranks", 2)  # inside one node: the low-latency Buffer apart, as before
+    Buffer(object(), 1 << 20, 1 << 24, low_latency_mode=True).clean_low_latency_buffer(32, 256, 8)
+    assert made[3].kwargs["num_rdma_bytes"] == 0 and made[4].kwargs["low_latency_mode"] is True
 
 
 # ---------------------------------------------------------------------------------------------------- normal mode

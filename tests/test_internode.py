@@ -14,7 +14,7 @@ from epjit.config import check_internode_need, check_normal_sizes, internode_con
 from epjit.errors import ArgumentError
 from epjit.kernels import internode as k
 from epjit.kernels import intranode as intranode_kernels
-from epjit.kernels.internode import InternodeSpec, config_problems, internode_spec
+from epjit.kernels.internode import InternodeSpec, config_problems, heap_fixed_bytes, internode_spec
 from epjit.ops import notify as ops
 from epjit.ops.internode import HANDLE_INTS, config_tag, forwarded_at
 
@@ -139,16 +139,25 @@ def test_specs_refuse_roles_that_do_not_fit():
 
 
 def test_buffer_sizes_refused_before_any_collective():
-    check_normal_sizes(16, 8, 1 << 30, 1 << 30, 256, False)
-    with pytest.raises(ArgumentError, match="not both yet"):
-        check_normal_sizes(16, 8, 1 << 30, 1 << 30, 256, True)
+    check_normal_sizes(16, 8, 1 << 30, 1 << 30, 256)
+    fixed = heap_fixed_bytes(16, 2, 4096)
+    check_normal_sizes(16, 8, 1 << 30, fixed + (1 << 20), 256, 1 << 20)  # both modes: normal's region, then 1 MiB
+    with pytest.raises(ArgumentError, match=rf"num_rdma_bytes={fixed + (1 << 20) - 1} is below the "
+                                            rf"{fixed + (1 << 20)} bytes a Buffer serving both modes .* at least "
+                                            rf"{fixed} bytes .* then low-latency mode's {1 << 20} .* their sum"):
+        check_normal_sizes(16, 8, 1 << 30, fixed + (1 << 20) - 1, 256, 1 << 20)
     with pytest.raises(ArgumentError, match="num_nvl_bytes=1 is below"):
-        check_normal_sizes(16, 8, 1, 1 << 30, 256, False)
+        check_normal_sizes(16, 8, 1, 1 << 30, 256)
     with pytest.raises(ArgumentError, match="num_rdma_bytes=0 is below"):
-        check_normal_sizes(16, 8, 1 << 30, 0, 256, False)
+        check_normal_sizes(16, 8, 1 << 30, 0, 256)
     config = internode_config(16, 8)
     with pytest.raises(ArgumentError, match="needs .* bytes of symmetric heap"):
         check_internode_need(config, 16, 8, 7168, 8, 256, 256, (1 << 34, 1 << 20), "dispatch")
+    need = config.internode_bytes(16, 8, 7168, 8, 4096)[1]
+    check_internode_need(config, 16, 8, 7168, 8, 256, 256, (1 << 34, need + 4096), "dispatch", 4096)
+    with pytest.raises(ArgumentError, match=rf"needs {need} bytes of symmetric heap .* has num_rdma_bytes="
+                                            rf"{need + 4095}, of which low-latency mode's region takes the last 4096"):
+        check_internode_need(config, 16, 8, 7168, 8, 256, 256, (1 << 34, need + 4095), "dispatch", 4096)
     with pytest.raises(ArgumentError, match="num_experts=8192 is more than this Buffer's notify areas hold"):
         check_internode_need(config, 16, 8, 7168, 8, 8192, 256, (1 << 34, 1 << 34), "dispatch")
     check_internode_need(config, 16, 8, 7168, 8, 8192, 8192, (1 << 34, 1 << 34), "dispatch")

@@ -5,7 +5,8 @@ One DeepEP Buffer holds up to two epjit Buffers: a normal-mode one made at const
 low-latency one made at the first low-latency call. DeepEP's low-latency Buffer is made without the sizes epjit's
 needs (tokens, hidden size, experts): they come with the first ``low_latency_dispatch`` (or
 ``clean_low_latency_buffer``), a collective call every rank makes alike, so the epjit Buffer is made there, over
-``num_rdma_bytes``, and keeps those sizes.
+``num_rdma_bytes``, and keeps those sizes. Across NVLink nodes a DeepEP Buffer of both modes is one epjit Buffer:
+the normal-mode one, given low-latency mode there, in its heap after normal mode's region.
 """
 
 from __future__ import annotations
@@ -187,12 +188,17 @@ class Buffer:
         self._combine_buffers: collections.deque[Any] = collections.deque(maxlen=2)  # the last ones handed out
         self._destroyed = False
         self._normal: Any = None
+        several = self._group.num_nvl_ranks < self._group.size
+        # Across NVLink nodes a Buffer of both modes is one epjit Buffer: DeepEP's modes share num_rdma_bytes (its
+        # callers clean between them), epjit's lie one after the other in the heap, so it gets twice the bytes,
+        # normal mode's region first and low-latency mode's added at its first call (docs/deep_ep.md).
+        self._one_buffer = several and self.low_latency_mode and bool(self.num_nvl_bytes)
         if self.num_nvl_bytes or not self.low_latency_mode:
             # Across NVLink nodes epjit's normal mode needs the symmetric heap as well (DeepEP's num_rdma_bytes
-            # hint covers epjit's: docs/deep_ep.md); the low-latency Buffer, made at its first call, has its own.
-            several = self._group.num_nvl_ranks < self._group.size
-            self._normal = _new_epjit_buffer(self._group, num_nvl_bytes=self.num_nvl_bytes,
-                                             num_rdma_bytes=self.num_rdma_bytes if several else 0)
+            # hint covers epjit's: docs/deep_ep.md); inside one node the low-latency Buffer, made at its first
+            # call, has the heap and this one none.
+            rdma = (2 if self._one_buffer else 1) * self.num_rdma_bytes if several else 0
+            self._normal = _new_epjit_buffer(self._group, num_nvl_bytes=self.num_nvl_bytes, num_rdma_bytes=rdma)
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
@@ -205,7 +211,7 @@ class Buffer:
         ll, normal, self._ll, self._normal = self._ll, self._normal, None, None
         self._combine_buffers.clear()
         try:
-            if ll is not None:
+            if ll is not None and ll is not normal:
                 ll.close()
         finally:
             if normal is not None:
@@ -402,14 +408,30 @@ class Buffer:
                 "a collective set-up), which cannot happen inside a CUDA-graph capture: run one low_latency_dispatch, "
                 "or clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts), before "
                 "capturing"))
-        self._ll = _new_epjit_buffer(self._group, num_rdma_bytes=self.num_rdma_bytes, low_latency_mode=True,
-                                     num_max_dispatch_tokens_per_rank=sizes[0], hidden=sizes[1],
-                                     num_experts=sizes[2], **({"enable_shrink": True} if self.enable_shrink else {}))
+        if self._one_buffer:
+            self._ll = self._low_latency_in_the_normal_buffer(sizes)
+        else:
+            self._ll = _new_epjit_buffer(self._group, num_rdma_bytes=self.num_rdma_bytes, low_latency_mode=True,
+                                         num_max_dispatch_tokens_per_rank=sizes[0], hidden=sizes[1],
+                                         num_experts=sizes[2], **({"enable_shrink": True} if self.enable_shrink
+                                                                  else {}))
         self._ll_sizes = sizes
         for rank, mask in self._mask_updates.items():
             self._ll.low_latency_update_mask_buffer(rank, mask)
         self._mask_updates.clear()
         return self._ll
+
+    def _low_latency_in_the_normal_buffer(self, sizes: tuple[int, int, int]) -> Any:
+        """The normal-mode epjit Buffer, given low-latency mode for these sizes after its normal-mode region
+        (collective). num_rdma_bytes must hold the low-latency need, as a Buffer of low-latency mode only."""
+        need = Buffer.get_low_latency_rdma_size_hint(sizes[0], sizes[1], self.group_size, sizes[2])
+        if self.num_rdma_bytes < need:
+            raise ArgumentError(with_rank(
+                f"num_rdma_bytes={self.num_rdma_bytes} is below the {need} bytes low-latency mode needs for "
+                f"(num_max_dispatch_tokens_per_rank, hidden, num_experts) = {sizes} on {self.group_size} ranks: "
+                "use Buffer.get_low_latency_rdma_size_hint(...)"))
+        self._normal._add_low_latency(*sizes, enable_shrink=self.enable_shrink)
+        return self._normal
 
     def _made_low_latency(self) -> Any:
         if self._ll is None:

@@ -17,11 +17,13 @@ epjit.ops.low_latency), built at one place from the arrays as the kernels take t
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..config import MAX_CHANNELS, Config, check_normal_sizes, normal_size_hint
 from ..group import Group
 from ..kernels.intranode import intranode_min_nvl_bytes
+from ..kernels.low_latency import low_latency_size_hint
 from .common import Absent, Resources
 from .low_latency import LowLatencyFront, low_latency_rdma_bytes
 from .normal import InternodeFront, IntranodeFront
@@ -35,14 +37,31 @@ CLOSED = "this Buffer is closed"
 def checked_sizes(group: Group, num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool,
                   num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> int:
     """Validate a Buffer's sizes for the modes it runs (the same on every rank); returns num_rdma_bytes to reserve
-    (low-latency mode's need where it was given none)."""
+    (low-latency mode's need where it was given none). Across NVLink nodes a Buffer serving both modes needs
+    num_rdma_bytes for normal mode's region and then low-latency mode's (both_modes)."""
+    both_across = low_latency_mode and bool(num_nvl_bytes) and group.num_nvl_ranks < group.size
+    low_latency_bytes = 0
     if low_latency_mode:
-        num_rdma_bytes = low_latency_rdma_bytes(group, num_max_dispatch_tokens_per_rank, hidden, num_experts,
-                                                num_rdma_bytes)
+        reserved = low_latency_rdma_bytes(group, num_max_dispatch_tokens_per_rank, hidden, num_experts,
+                                          0 if both_across else num_rdma_bytes)
+        if both_across:
+            low_latency_bytes = reserved  # what it needs: normal mode's check below names both
+        else:
+            num_rdma_bytes = reserved
     if num_nvl_bytes or not low_latency_mode:  # normal mode (a low-latency Buffer may have both)
         check_normal_sizes(group.size, group.num_nvl_ranks, num_nvl_bytes, num_rdma_bytes, num_experts,
-                           low_latency_mode)
+                           low_latency_bytes)
     return num_rdma_bytes
+
+
+def both_modes(res: Resources) -> tuple[Resources, Resources]:
+    """A Buffer serving both modes across NVLink nodes has one symmetric heap for both: normal mode's region from
+    its start (every offset of the internode kernels as in a normal-mode Buffer), then low-latency mode's, the
+    heap's last get_low_latency_size_hint bytes, which low-latency mode reaches through a PeersTable of its own
+    (PeerMemory.tail_region: its kernels unchanged, their base moved). The resources of each mode."""
+    need = low_latency_size_hint(res.num_max_dispatch_tokens_per_rank, res.hidden, res.group.size, res.num_experts)
+    return (replace(res, low_latency_heap_bytes=need),
+            replace(res, mem=res.mem.tail_region(need), num_rdma_bytes=need))
 
 
 def nvl_size_hint(num_ranks: int, hidden: int, num_topk: int, num_experts: int, config: Config | None,
@@ -58,14 +77,16 @@ def fronts(res: Resources, low_latency_mode: bool) -> tuple[Any, Any]:
     """The normal-mode and low-latency fronts of a Buffer with these resources (Absent where it has none): normal
     mode where it has an NVLink buffer, across nodes where its group spans several; low latency where asked."""
     made: list[Any] = []
+    across = res.group.num_nvl_ranks < res.group.size
+    normal_res, low_latency_res = both_modes(res) if low_latency_mode and across and res.num_nvl_bytes else (res, res)
     try:
         if res.num_nvl_bytes:
-            family = IntranodeFront if res.group.num_nvl_ranks == res.group.size else InternodeFront
+            family = InternodeFront if across else IntranodeFront
             # shrink mode of normal mode: a normal-mode Buffer's (a low-latency one's masks its low-latency calls)
-            made.append(family(res, res.enable_shrink and not low_latency_mode))
+            made.append(family(normal_res, res.enable_shrink and not low_latency_mode))
         else:
             made.append(Absent(NO_NORMAL))
-        made.append(LowLatencyFront(res) if low_latency_mode else Absent(NO_LOW_LATENCY))
+        made.append(LowLatencyFront(low_latency_res) if low_latency_mode else Absent(NO_LOW_LATENCY))
     except BaseException:
         for front in made:
             front.close()
@@ -73,5 +94,5 @@ def fronts(res: Resources, low_latency_mode: bool) -> tuple[Any, Any]:
     return made[0], made[1]
 
 
-__all__ = ["CLOSED", "Absent", "InternodeFront", "IntranodeFront", "LowLatencyFront", "Resources", "checked_sizes",
-           "fronts", "low_latency_rdma_bytes", "nvl_size_hint"]
+__all__ = ["CLOSED", "Absent", "InternodeFront", "IntranodeFront", "LowLatencyFront", "Resources", "both_modes",
+           "checked_sizes", "fronts", "low_latency_rdma_bytes", "nvl_size_hint"]

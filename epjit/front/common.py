@@ -34,6 +34,9 @@ class Resources:
     hidden: int
     num_experts: int
     enable_shrink: bool = False  # low-latency mode: mask ranks that fail (docs/reliability.md)
+    # Of num_rdma_bytes, what low-latency mode's region takes after normal mode's (a Buffer serving both across
+    # NVLink nodes: epjit.front.both_modes); 0 where normal mode has the heap to itself.
+    low_latency_heap_bytes: int = 0
 
     @property
     def device(self) -> int:

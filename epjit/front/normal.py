@@ -394,4 +394,5 @@ class InternodeFront(IntranodeFront):
                     what: str) -> None:
         res = self.res
         check_internode_need(config, self.num_ranks, self.num_nvl_ranks, hidden, num_topk, num_experts,
-                             self.num_experts, (res.num_nvl_bytes, res.num_rdma_bytes), what)
+                             self.num_experts, (res.num_nvl_bytes, res.num_rdma_bytes), what,
+                             res.low_latency_heap_bytes)
