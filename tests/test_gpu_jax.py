@@ -35,3 +35,12 @@ def test_jitted_calls_match_eager_reference_and_dense(n):
                      f"{t[f'graph_dispatch_{tokens}']} us | combine jit {t[f'jit_combine_{tokens}']} us, graph "
                      f"{t[f'graph_combine_{tokens}']} us")
     print("\n" + "\n".join(lines))
+
+
+def test_jax_example_matches_the_reference():
+    pytest.importorskip("jax")
+    env = {"EPJIT_TIMEOUT_S": "60", **placement(2, False)}
+    code, output, _ = run_ranks("launch", 2, "examples/jax_moe.py", env=env, timeout=150)
+    assert code == 0, output[-6000:]
+    assert output.count("calc_diff vs epjit.reference") == 2, output[-6000:]
+    print("\njax | 2 ranks | examples/jax_moe.py matches epjit.reference")

@@ -283,3 +283,13 @@ def test_refusals_name_the_argument():
     _, d = _normal_layer(buf, x, idx, w, 1.0, 12)
     with pytest.raises(ArgumentError, match=r"y must have shape \[12, 64\]"):
         ej.combine(buf, jnp.zeros((6, H), jnp.bfloat16), d.handle)
+
+
+def test_example_without_gpus_runs_the_reference_and_says_so():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "examples/jax_moe.py", "--cpu", "--ranks", "2", "--tokens", "8"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "no GPU" in out.stdout and "finite: True" in out.stdout, out.stdout

@@ -158,7 +158,7 @@ def check_sets(ops: LowLatency, s: int) -> None:
 
 
 class HandleSizes(NamedTuple):
-    """What a normal-mode combine plan reads of a dispatch handle (epjit.ops.intranode.combine_plan)."""
+    """What a normal-mode combine plan reads of a dispatch handle (epjit.ops.intranode.Intranode.combine_plan)."""
 
     num_tokens: int
     hidden: int
