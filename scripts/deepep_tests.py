@@ -47,6 +47,9 @@ KERNELS = {
     "notify": ("intranode_notify", "internode_notify"),
 }
 
+# Always: the internode script's low-latency block on the same Buffer, as one DeepEP Buffer serves both modes.
+ALWAYS = {"test_internode.py": ["--test-ll-compatibility"]}
+
 SMALL = {"test_intranode.py": ["--num-tokens", "1024"], "test_low_latency.py": ["--num-tokens", "64"],
          "test_internode.py": ["--num-tokens", "1024"]}
 
@@ -184,7 +187,8 @@ def run(source: Path, gpus: int, only: list[str], small: bool, timeout: float, e
                 nodes = [",".join(str(g) for g in range(n * per_node, (n + 1) * per_node)) for n in range(2)]
             else:
                 nodes = [",".join(str(g) for g in range(gpus))]
-            args = ["--num-processes", str(per_node), *(SMALL[script] if small else []), *(extra or [])]
+            args = ["--num-processes", str(per_node), *ALWAYS.get(script, []), *(SMALL[script] if small else []),
+                    *(extra or [])]
             start = time.monotonic()
             why = _wait(_launch(tests, script, args, script_env, nodes), timeout)
         took = f"{time.monotonic() - start:.0f} s"
