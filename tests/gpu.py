@@ -163,6 +163,20 @@ def run_ranks(launcher: str, n: int, script: str, *args: str, env: dict[str, str
     return proc.returncode, output, sorted(result_dicts(proc.stdout), key=lambda r: r["rank"])
 
 
+def run_shrink_loop(script: str, mode: str) -> tuple[int, str, list[dict]]:
+    """A shrink-mode loop (tests/ranks/shrink_loop.py's, in ``script``) on 4 ranks, 2 where there are fewer GPUs, one
+    a GPU, rank 1 leaving it as ``mode`` says, with a 3 s shrink timeout: (ranks, output, RESULT dicts), once the
+    launcher ended with code 0."""
+    require_gpus(2)
+    n = 4 if gpu_count() >= 4 else 2
+    pytest.importorskip("torch")
+    code, output, results = run_ranks("launch", n, script, "--mode", mode,
+                                      env={"EPJIT_TIMEOUT_S": "60", "EPJIT_SHRINK_TIMEOUT_S": "3",
+                                           **placement(n, False)}, timeout=300)
+    assert code == 0, output[-8000:]
+    return n, output, results
+
+
 def result_dicts(stdout: str) -> list[dict]:
     """Every ``RESULT {json}`` the ranks printed. mpirun forwards the ranks' output in pieces, so two ranks' results
     can share a line ("...}RESULT {...") or lack the newline between them: each is decoded where it starts."""

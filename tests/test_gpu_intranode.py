@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from .gpu import RANKS, gpu_count, placement, quick, require_gpus, run_ranks, two_ranks
+from .gpu import RANKS, placement, quick, run_ranks, run_shrink_loop, two_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -110,14 +110,7 @@ def test_shrink_mode_goes_on_without_a_rank_that_leaves(mode):
     between its dispatch and its combine (kill: the others' combine waits mask it). Every output the survivors see is
     the reference's with the ranks their mask names out; after an update every rank, rank 1 too, cleans the mask and
     runs once more with nobody masked; every rank ends on its own."""
-    require_gpus(2)
-    n = 4 if gpu_count() >= 4 else 2
-    env = placement(n, False)
-    pytest.importorskip("torch")
-    code, output, results = run_ranks("launch", n, "tests/ranks/intranode_shrink.py", "--mode", mode,
-                                      env={"EPJIT_TIMEOUT_S": "60", "EPJIT_SHRINK_TIMEOUT_S": "3", **env},
-                                      timeout=300)
-    assert code == 0, output[-8000:]
+    n, output, results = run_shrink_loop("tests/ranks/intranode_shrink.py", mode)
     survivors = [r for r in range(n) if r != 1]
     assert sorted(r["rank"] for r in results) == (list(range(n)) if mode == "update" else survivors), output[-4000:]
     for r in results:

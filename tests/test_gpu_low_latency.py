@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from .gpu import RANKS, gpu_count, placement, quick, require_gpus, run_ranks, two_ranks
+from .gpu import RANKS, gpu_count, placement, quick, require_gpus, run_ranks, run_shrink_loop, two_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -136,14 +136,7 @@ def test_shrink_mode_goes_on_without_a_rank_that_leaves(mode):
     (update), by the others' waits that time out (stop), or SIGKILLed between its dispatch and its combine (kill).
     The survivors finish the loop with every output as the reference's with the masked rank out, the mask naming it,
     then clean the buffer without it and run again; every rank ends on its own."""
-    require_gpus(2)
-    n = 4 if gpu_count() >= 4 else 2
-    env = placement(n, False)
-    pytest.importorskip("torch")
-    code, output, results = run_ranks("launch", n, "tests/ranks/low_latency_shrink.py", "--mode", mode,
-                                      env={"EPJIT_TIMEOUT_S": "60", "EPJIT_SHRINK_TIMEOUT_S": "3", **env},
-                                      timeout=300)
-    assert code == 0, output[-8000:]
+    n, output, results = run_shrink_loop("tests/ranks/low_latency_shrink.py", mode)
     assert sorted(r["rank"] for r in results) == [r for r in range(n) if r != 1], output[-4000:]
     for r in results:
         assert all(after == [[], []] for after in r["masks"][:3]), r  # before rank 1 leaves: nobody masked
