@@ -61,7 +61,9 @@ def gpu_step(group: Any, n: int) -> None:
     import jax
 
     jax.config.update("jax_platforms", "cuda")
-    jax.config.update("jax_cuda_visible_devices", str(group.device))  # this rank's GPU only
+    # XLA sees every GPU and runs on this rank's (jax_cuda_visible_devices of a GPU other than 0 breaks XLA's device
+    # ids in one process)
+    jax.config.update("jax_default_device", jax.devices()[group.device])
     import jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec
 
@@ -74,7 +76,7 @@ def gpu_step(group: Any, n: int) -> None:
                        num_experts=EXPERTS_PER_RANK * r)
     # The expert axis: this process's one device (each rank is its own process and its own SPMD program; epjit
     # moves the tokens between them).
-    mesh = Mesh(np.array(jax.devices()), ("expert",))
+    mesh = Mesh(np.array([jax.devices()[group.device]]), ("expert",))
     w_experts, w_router = jnp.asarray(mine), jnp.asarray(router)
 
     def step(x: Any) -> Any:

@@ -27,10 +27,9 @@ def setup(group):  # noqa: ANN001, ANN201
     import jax
 
     jax.config.update("jax_platforms", "cuda")
-    try:  # XLA takes this rank's GPU only (no context, no memory on the others)
-        jax.config.update("jax_cuda_visible_devices", str(group.device))
-    except (AttributeError, KeyError, ValueError):
-        jax.config.update("jax_default_device", jax.devices()[group.device])
+    # XLA sees every GPU and runs on this rank's (jax_cuda_visible_devices of another GPU than 0 breaks XLA's device
+    # ids in one process: every op then fails with "Device id 1 is out of range [0, 1)").
+    jax.config.update("jax_default_device", jax.devices()[group.device])
     return jax
 
 
