@@ -233,6 +233,16 @@ class Buffer:
         self._normal.check()
         self._low_latency.check()
 
+    def xla_site(self, call: str, **sizes: Any) -> Any:
+        """One call site of ``call`` ("low_latency_dispatch", "low_latency_combine", "dispatch" or "combine") inside
+        an XLA program, for epjit.jax: its static sizes checked as the eager call checks them, its plan fixed, and a
+        launch on XLA's stream into XLA's buffers (epjit.ops.xla)."""
+        if call.startswith("low_latency_"):
+            return self._low_latency.xla_site(call[len("low_latency_"):], **sizes)
+        if call == "dispatch":
+            return self._normal.xla_dispatch_site(**sizes)
+        return self._normal.xla_combine_site(**sizes)
+
     # ------------------------------------------------------------------------------------------------ normal mode
 
     def get_dispatch_layout(self, topk_idx: Any, num_experts: int, previous_event: Event | None = None,

@@ -23,6 +23,7 @@ from ..ops.low_latency import (
     LowLatencyDispatchResult,
     LowLatencyHandle,
 )
+from ..ops.xla import LowLatencyCombineSite, LowLatencyDispatchSite
 from .common import Plans, Resources, check_rank_to_mask
 
 
@@ -201,6 +202,28 @@ class LowLatencyFront:
         plan = self.ops.combine_plan(y_info.framework, num_tokens, handle.num_topk, use_logfmt)
         return (self.plans.remember(key, plan), kernel_array(y, y_info, "y"),
                 kernel_array(topk_idx, k_info, "topk_idx"), kernel_array(topk_weights, w_info, "topk_weights"), out)
+
+    # ------------------------------------------------------------------------------------------------ jax.jit
+
+    def xla_site(self, call: str, num_tokens: int, num_topk: int, use_fp8: bool = False, round_scale: bool = False,
+                 use_ue8m0: bool = False) -> Any:
+        """A call site inside an XLA program (epjit.ops.xla), its static sizes checked as the eager call checks
+        them: ``call`` "dispatch" or "combine"."""
+        res = self.res
+        m, hidden = res.num_max_dispatch_tokens_per_rank, res.hidden
+        if num_tokens > m:
+            raise ArgumentError(with_rank(f"x has {num_tokens} tokens but num_max_dispatch_tokens_per_rank={m}"))
+        if not 1 <= num_topk <= LOW_LATENCY_MAX_TOPK:
+            raise ArgumentError(with_rank(f"topk_idx has {num_topk} columns; 1 to {LOW_LATENCY_MAX_TOPK} are "
+                                          "supported in low-latency mode"))
+        if call == "combine":
+            return LowLatencyCombineSite(self.ops, num_tokens, num_topk)
+        round_scale = round_scale or use_ue8m0
+        if not use_fp8 and round_scale:
+            raise ArgumentError(with_rank("round_scale and use_ue8m0 need use_fp8=True"))
+        if use_fp8 and hidden % 128:
+            raise ArgumentError(with_rank(f"use_fp8=True needs hidden % 128 == 0, hidden={hidden}"))
+        return LowLatencyDispatchSite(self.ops, num_tokens, num_topk, use_fp8, round_scale, use_ue8m0)
 
     # ------------------------------------------------------------------------------------------------ reset
 

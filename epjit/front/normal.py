@@ -29,8 +29,10 @@ from ..ops.normal import (
     DispatchShape,
     LayoutInputs,
 )
+from ..ops.notify import host_record_bytes
 from ..ops.shrink import NormalShrinkMask
 from ..ops.streams import Event, caller_stream, is_capturing
+from ..ops.xla import HandleParts, HandleSizes, NormalCombineSite, NormalDispatchSite, layout_plan
 from .common import Plans, Resources, check_rank_to_mask
 
 
@@ -342,6 +344,44 @@ class IntranodeFront:
             raise ArgumentError(with_rank(f"combine with use_fp8=True needs hidden % 128 == 0 (a scale a 128 "
                                           f"channels), but the dispatch's hidden is {hidden}"))
 
+    # ------------------------------------------------------------------------------------------------ jax.jit
+
+    def xla_dispatch_site(self, num_tokens: int, hidden: int, num_topk: int, num_experts: int, num_worst_tokens: int,
+                          fp8: bool, replay: bool) -> NormalDispatchSite:
+        """A worst-token dispatch inside an XLA program (epjit.ops.xla), its static sizes checked as dispatch checks
+        them; ``replay``: of a handle's routing (no topk_idx)."""
+        if self.shrink:
+            raise ArgumentError(with_rank("a Buffer made with enable_shrink=True has no jitted normal-mode calls"))
+        if num_worst_tokens <= 0:
+            raise ArgumentError(with_rank(f"a jitted dispatch needs num_worst_tokens > 0 (its rows are the output's "
+                                          f"shape), got {num_worst_tokens}"))
+        if hidden % 8 or hidden <= 0 or (fp8 and hidden % 128):
+            raise ArgumentError(with_rank(f"hidden={hidden} must be a positive multiple of 8 (16-byte rows), of 128 "
+                                          "for FP8"))
+        if not 1 <= num_topk <= 32:
+            raise ArgumentError(with_rank(f"topk_idx has {num_topk} columns; 1 to 32 are supported"))
+        num_experts = self._check_num_experts(num_experts)
+        config = self.dispatch_config
+        self._check_need(config, hidden, num_topk, num_experts, fp8, "dispatch")
+        records = self.ops.records
+        if host_record_bytes(self.num_ranks, num_experts, records.forwarded) > records.graph.num_bytes:
+            raise ArgumentError(with_rank(f"a jitted dispatch takes up to 4096 experts (or the Buffer's "
+                                          f"num_experts), got {num_experts}"))
+        shape = DispatchShape("jax", "cupy", num_tokens, hidden, num_topk, fp8, not replay, not replay, num_experts,
+                              num_worst_tokens, 1, replay)
+        plan = self.ops.dispatch_plan(shape, self._spec_of(config), config)
+        parts = HandleParts.of(self.num_ranks, config.num_channels, num_tokens, num_worst_tokens)
+        layout = None if replay else layout_plan(self.layout_ops, num_tokens, num_topk, num_experts)
+        return NormalDispatchSite(self, plan, layout, parts, replay)
+
+    def xla_combine_site(self, sizes: HandleSizes, num_worst_tokens: int, with_weights: bool) -> NormalCombineSite:
+        """A combine inside an XLA program on a jitted dispatch's handle of these sizes."""
+        config = self._resolve_config(None, self.combine_config, sizes.num_channels, "the dispatch")
+        self._check_need(config, sizes.hidden, sizes.num_topk, 0, False, "combine")
+        plan = self.ops.combine_plan("jax", "cupy", self._spec_of(config), config, sizes, with_weights)
+        parts = HandleParts.of(self.num_ranks, sizes.num_channels, sizes.num_tokens, num_worst_tokens)
+        return NormalCombineSite(plan, parts, sizes, with_weights)
+
     # ------------------------------------------------------------------------------------------------ shrink
 
     def _shrinking(self, call: str) -> NormalShrinkMask:
@@ -389,6 +429,12 @@ class InternodeFront(IntranodeFront):
         return config.internode_spec(self.num_ranks, self.num_nvl_ranks)
 
     _combine_fp8_spec = staticmethod(internode_combine_fp8_spec)
+
+    def xla_dispatch_site(self, *args: Any, **kwargs: Any) -> NormalDispatchSite:
+        raise ArgumentError(with_rank("jitted normal-mode calls run inside one NVLink node; this Buffer's group "
+                                      "spans several (use low-latency mode across nodes)"))
+
+    xla_combine_site = xla_dispatch_site  # type: ignore[assignment]
 
     def _check_need(self, config: Config, hidden: int, num_topk: int, num_experts: int, fp8: bool,
                     what: str) -> None:
