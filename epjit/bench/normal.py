@@ -212,10 +212,8 @@ def _profile_case(buf: Any, group: Any, op: Any, mode: str, tokens: int, hidden:
                   flush=True)
     summaries = buf.profile_roles()
     if moved is not None and summaries:
-        kernel = summaries[0].kernel
         lines = "\n".join(f"    {line}" for line in role_table(summaries, moved))
-        print(f"  roles {mode} {kernel} rank {group.rank} (µs from the kernel's start; waits a waiter's):\n{lines}",
-              flush=True)
+        print(f"  roles {mode} rank {group.rank} (µs from the kernel's start; waits a waiter's):\n{lines}", flush=True)
 
 
 def _moved(operation: str, mode: str, group: Any, send_counts: list[list[int]], node_counts: list[list[int]],
