@@ -35,17 +35,23 @@
 #include "ptx.cuh"
 #include "rdma.cuh"
 #include "status.cuh"
-#include "timeline.cuh"
 #include "wait.cuh"
+#if defined(EPJIT_INTERNODE_PROFILE)  // the profile build alone stamps (see RoleStamps)
+#include "role_timeline.cuh"
+#endif
 
 namespace epjit {
 
 constexpr uint32_t kFullMask = 0xffffffffu;
 
-// EPJIT_PROFILE (timeline.cuh; epjit/kernels/internode.py mirrors these enums). Notify stamps a row a block, dispatch
-// and combine a row a (channel, role): timeline[channel * kInternodeRoles + role][point], tagged with both. A role's
-// moments are its first warp's (first_*) or its last's (last_*, done); a slot ending in Ns sums the nanoseconds its
-// waiters spun: starved, waiting for what it consumes; blocked, for room where it produces.
+// EPJIT_PROFILE (role_timeline.cuh; epjit/kernels/internode.py mirrors these enums). Notify stamps a row a block,
+// dispatch and combine a row a (channel, role): timeline[channel * kInternodeRoles + role][point], tagged with both.
+// A role's moments are its first warp's (first_*) or its last's (last_*, done); a slot ending in Ns sums the
+// nanoseconds its waiters spun: starved, waiting for what it consumes; blocked, for room where it produces.
+// Only the profile build stamps (EPJIT_INTERNODE_PROFILE; a Buffer made with EPJIT_PROFILE=1 loads it): the
+// production build's stamps and wait timings are empty functions, it ignores its timeline argument and declares no
+// constant or global of its own for them, so its kernels are the code they were without stamps (their SASS,
+// registers and spills).
 enum InternodeNotifyPoint {
     kInternodeNotifyAtStart = 0,   // the block began
     kInternodeNotifyAtSent = 1,    // block 0: my counts put to every rail peer
@@ -54,7 +60,6 @@ enum InternodeNotifyPoint {
     kInternodeNotifyAtNode = 4,    // block 0: every node peer's fold arrived (the NVLink barrier passed)
     kInternodeNotifyAtEnd = 5,     // the block's work done (block 0: the host record written)
 };
-constexpr int kInternodeRoles = 3;  // rows a channel, in dispatch and in combine
 enum DispatchRole {
     kDispatchRoleRdmaSender = 0,   // the sending block's sender warps: stage my tokens, put them to each node
     kDispatchRoleNvlReceiver = 1,  // the sending block's receiver groups: node peers' NVLink rings into recv_x
@@ -110,8 +115,72 @@ enum ReaderPoint {
     kReaderStarvedNs = 4,   // waits for RDMA chunk flags (the partials), a warp each
 };
 
-// What every role of a dispatch or combine launch needs to find its rings.
-struct InternodeCall {
+#if defined(EPJIT_INTERNODE_PROFILE)
+// (An enum, not a constexpr variable: NVRTC emits each namespace-scope constant as a global, which moves the
+// production build's constant bank.)
+enum : bool { kInternodeProfile = true };
+constexpr int kInternodeRoles = 3;  // rows a channel, in dispatch and in combine
+
+// A role's row of this channel, timeline[channel * kInternodeRoles + role] (the production build's RoleStamps is an
+// empty base of InternodeCall whose stamps are empty, so the call's layout and code stay as they were).
+struct RoleStamps {
+    uint64_t* timeline;  // EPJIT_PROFILE's rows (nullptr: no stamps, each stamp one branch)
+    int stamp_channel;
+
+    __device__ RoleStamps(uint64_t* timeline_, int channel_) : timeline(timeline_), stamp_channel(channel_) {}
+    __device__ bool timed() const { return timeline != nullptr; }
+    __device__ int row(int role) const { return stamp_channel * kInternodeRoles + role; }
+    __device__ void stamp_start(int role) const {
+        timeline_row_start(timeline, row(role), 0, role, stamp_channel);
+    }
+    __device__ void stamp_first(int role, int point) const { timeline_row_first(timeline, row(role), point); }
+    __device__ void stamp_latest(int role, int point) const { timeline_row_latest(timeline, row(role), point); }
+    __device__ void stamp_wait(int role, int slot_, uint64_t ns) const {
+        timeline_row_add(timeline, row(role), slot_, ns);
+    }
+    __device__ void stamp_warp_wait(int role, int slot_, uint64_t ns, int lane) const {
+        timeline_row_add_warp(timeline, row(role), slot_, ns, lane);
+    }
+};
+
+// A wait of a dispatch or combine role: timeout_while, timed (its nanoseconds go to a role's row, stamp_wait).
+template <typename KeepWaiting>
+__device__ __forceinline__ uint64_t profiled_wait(const PeersTable* peers, const WaitSite& site,
+                                                  KeepWaiting&& keep_waiting) {
+    return timeout_while<true>(peers, site, keep_waiting);
+}
+
+// Notify's stamps, a row a block (each under `if constexpr (kInternodeProfile)`: even an empty call before a return
+// changes the production build's code).
+__device__ __forceinline__ void notify_stamp(uint64_t* timeline, int point) {
+    if (point == kInternodeNotifyAtStart) timeline_start(timeline, point);
+    else timeline_mark(timeline, point);
+}
+#else
+enum : bool { kInternodeProfile = false };
+
+struct RoleStamps {
+    __device__ RoleStamps(uint64_t*, int) {}
+    __device__ static constexpr bool timed() { return false; }
+    __device__ void stamp_start(int) const {}
+    __device__ void stamp_first(int, int) const {}
+    __device__ void stamp_latest(int, int) const {}
+    __device__ void stamp_wait(int, int, uint64_t) const {}
+    __device__ void stamp_warp_wait(int, int, uint64_t, int) const {}
+};
+
+template <typename KeepWaiting>
+__device__ __forceinline__ uint64_t profiled_wait(const PeersTable* peers, const WaitSite& site,
+                                                  KeepWaiting&& keep_waiting) {
+    timeout_while(peers, site, keep_waiting);
+    return 0;
+}
+
+__device__ __forceinline__ void notify_stamp(uint64_t*, int) {}
+#endif
+
+// What every role of a dispatch or combine launch needs to find its rings (and, in the profile build, its rows).
+struct InternodeCall : RoleStamps {
     const PeersTable* peers;
     int rank, nvl_rank, node, num_nodes, num_nvl_ranks, channel, num_channels, expert_cap;
     int hidden, num_topk;
@@ -119,19 +188,17 @@ struct InternodeCall {
     RdmaChunks chunks;
     int nvl_slots;
     int64_t slot;  // an NVLink slot (and an RDMA one but in the FP8 combine: heap.slot)
-    uint64_t* timeline;  // EPJIT_PROFILE's rows (nullptr, the default: no stamps, each stamp one branch)
 
     // fp8_combine: the RDMA rings in the FP8 combine's slots (fp8_combine_slot_bytes).
     __device__ InternodeCall(const PeersTable* peers_, int num_nodes_, int num_nvl_ranks_, int channel_,
                              int num_channels_, int expert_cap_, int hidden_, int num_topk_, int rdma_slots,
                              int rdma_chunk, int nvl_slots_, uint64_t* timeline_, bool fp8_combine = false)
-        : peers(peers_), rank(peers_->rank), nvl_rank(peers_->nvl_rank), node(peers_->rank / num_nvl_ranks_),
-          num_nodes(num_nodes_), num_nvl_ranks(num_nvl_ranks_), channel(channel_), num_channels(num_channels_),
-          expert_cap(expert_cap_), hidden(hidden_), num_topk(num_topk_),
+        : RoleStamps(timeline_, channel_), peers(peers_), rank(peers_->rank), nvl_rank(peers_->nvl_rank),
+          node(peers_->rank / num_nvl_ranks_), num_nodes(num_nodes_), num_nvl_ranks(num_nvl_ranks_), channel(channel_),
+          num_channels(num_channels_), expert_cap(expert_cap_), hidden(hidden_), num_topk(num_topk_),
           heap(peers_->sym_base, num_nodes_ * num_nvl_ranks_, num_nodes_, expert_cap_, num_channels_, rdma_slots,
                fp8_combine ? fp8_combine_slot_bytes(hidden_, num_topk_) : slot_bytes(hidden_, num_topk_)),
-          chunks{rdma_chunk, rdma_slots / rdma_chunk}, nvl_slots(nvl_slots_), slot(slot_bytes(hidden_, num_topk_)),
-          timeline(timeline_) {}
+          chunks{rdma_chunk, rdma_slots / rdma_chunk}, nvl_slots(nvl_slots_), slot(slot_bytes(hidden_, num_topk_)) {}
 
     // The NVLink buffer of node peer j (mine: j = nvl_rank).
     __device__ InternodeNvl nvl(int j) const {
@@ -147,21 +214,6 @@ struct InternodeCall {
     }
     __device__ char* received_slot(int node_, int64_t p) const {
         return heap.recv_slot(channel, node_, chunks.slot(p));
-    }
-
-    // EPJIT_PROFILE: this channel's row of `role` (timeline.cuh's helpers test the pointer).
-    __device__ bool timed() const { return timeline != nullptr; }
-    __device__ int row(int role) const { return channel * kInternodeRoles + role; }
-    __device__ void stamp_start(int role) const {
-        timeline_row_start(timeline, row(role), 0, role, channel);
-    }
-    __device__ void stamp_first(int role, int point) const { timeline_row_first(timeline, row(role), point); }
-    __device__ void stamp_latest(int role, int point) const { timeline_row_latest(timeline, row(role), point); }
-    __device__ void stamp_wait(int role, int slot_, uint64_t ns) const {
-        timeline_row_add(timeline, row(role), slot_, ns);
-    }
-    __device__ void stamp_warp_wait(int role, int slot_, uint64_t ns, int lane) const {
-        timeline_row_add_warp(timeline, row(role), slot_, ns, lane);
     }
 };
 
@@ -270,7 +322,7 @@ __global__ void internode_notify(const PeersTable* peers, const int* num_tokens_
     constexpr int N = kNumNodes, V = kNumNvlRanks, R = N * V;
     // Dispatch, launched programmatically behind this kernel, may start and claim its channels meanwhile.
     ptx::griddepcontrol_launch_dependents();
-    timeline_start(timeline, kInternodeNotifyAtStart);
+    if constexpr (kInternodeProfile) notify_stamp(timeline, kInternodeNotifyAtStart);
     if (blockIdx.x > 0) {
         const int b = static_cast<int>(blockIdx.x) - 1;
         if (b < R)
@@ -279,7 +331,7 @@ __global__ void internode_notify(const PeersTable* peers, const int* num_tokens_
         else
             channel_prefix_block(is_token_in_rank, num_tokens, R, (b - R) * V, V, num_channels,
                                  rdma_channel_prefix + (b - R) * num_channels);
-        timeline_mark(timeline, kInternodeNotifyAtEnd);
+        if constexpr (kInternodeProfile) notify_stamp(timeline, kInternodeNotifyAtEnd);
         return;
     }
     const int t = static_cast<int>(threadIdx.x), num_threads = static_cast<int>(blockDim.x);
@@ -327,7 +379,7 @@ __global__ void internode_notify(const PeersTable* peers, const int* num_tokens_
                                  static_cast<size_t>(msg_bytes), signal, epoch, SignalOp::kSet, m * V + i, lane);
         }
     }
-    timeline_mark(timeline, kInternodeNotifyAtSent);
+    if constexpr (kInternodeProfile) notify_stamp(timeline, kInternodeNotifyAtSent);
     // 2. The rail's messages.
     if (t < N) {
         const uint64_t* signal = heap.signals + area * kMaxNodes + t;
@@ -339,7 +391,7 @@ __global__ void internode_notify(const PeersTable* peers, const int* num_tokens_
                       });
     }
     __syncthreads();
-    timeline_mark(timeline, kInternodeNotifyAtRail);
+    if constexpr (kInternodeProfile) notify_stamp(timeline, kInternodeNotifyAtRail);
     // 3. Fold for node peer j: the rail's metas, rows for every rank, forwarded tokens of every node's rank i,
     //    what each rail peer sends j, and j's experts' counts; into area (area, i) of j's NVLink buffer.
     auto rail = [&](int n, int k) { return ptx::ld_volatile_s32(heap.notify_area(area, n) + k); };
@@ -370,10 +422,10 @@ __global__ void internode_notify(const PeersTable* peers, const int* num_tokens_
             sum += rail(n, kInternodeMetaInts + R + node);
         }
     }
-    timeline_mark(timeline, kInternodeNotifyAtFolded);
+    if constexpr (kInternodeProfile) notify_stamp(timeline, kInternodeNotifyAtFolded);
     // 4. Every node peer's fold (nvl_barrier_block fences the writes above and acquires the peers').
     nvl_barrier_block<V>(peers, "internode_notify: node peers' counts (NVLink leg)");
-    timeline_mark(timeline, kInternodeNotifyAtNode);
+    if constexpr (kInternodeProfile) notify_stamp(timeline, kInternodeNotifyAtNode);
     const InternodeNvl mine(nvl_ptr(peers, i, kNvlHeaderBytes), R, N, expert_cap, 0, 0, 0);
     auto fold = [&](int j, int k) { return ptx::ld_volatile_s32(mine.notify_area(area, j) + k); };
     auto meta_of = [&](int s, int k) { return fold(s % V, 8 * (s / V) + k); };
@@ -437,7 +489,7 @@ __global__ void internode_notify(const PeersTable* peers, const int* num_tokens_
             ptx::st_release_sys_s32(host_out, recv_rank_prefix[R]);
         }
     }
-    timeline_mark(timeline, kInternodeNotifyAtEnd);
+    if constexpr (kInternodeProfile) notify_stamp(timeline, kInternodeNotifyAtEnd);
 }
 
 // ------------------------------------------------------------------------------------------------------- dispatch
@@ -501,12 +553,12 @@ __device__ void dispatch_senders(const InternodeCall& call, const int4* x, const
         const int* prefix = rdma_channel_prefix + lane * C;
         end = base + 1 + prefix[c] - (c > 0 ? prefix[c - 1] : 0);
         // A ring is written only once its reader has read everything before (its layout may have changed since).
-        drained = timeout_while(call.peers, WaitSite{"internode_dispatch sender: the RDMA ring to drain",
+        drained = profiled_wait(call.peers, WaitSite{"internode_dispatch sender: the RDMA ring to drain",
                                                      call.rail_peer(lane), c, last_end},
                                 [&](int64_t& seen) {
                                     seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
                                     return seen < last_end;
-                                }, call.timed());
+                                });
     }
     __syncwarp();
     call.stamp_warp_wait(kDispatchRoleRdmaSender, kRdmaSenderBlockedNs, drained, lane);
@@ -553,12 +605,12 @@ __device__ void dispatch_senders(const InternodeCall& call, const int4* x, const
                     const int64_t need = call.chunks.head_needed(p);
                     const RdmaRing& ring = call.ring(m);
                     const uint64_t waited =
-                        timeout_while(call.peers, WaitSite{"internode_dispatch sender: RDMA ring room (head)",
+                        profiled_wait(call.peers, WaitSite{"internode_dispatch sender: RDMA ring room (head)",
                                                            call.rail_peer(m), c, need},
                                       [&](int64_t& seen) {
                                           seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
                                           return seen < need;
-                                      }, call.timed());
+                                      });
                     call.stamp_wait(kDispatchRoleRdmaSender, kRdmaSenderBlockedNs, waited);
                 }
                 __syncwarp();
@@ -599,12 +651,12 @@ __device__ void dispatch_receivers(const InternodeCall& call, const ReceivedRow&
             int64_t tail = -1;
             if (s_metas[group] < N || head - start < s_expected[group]) {
                 const uint64_t waited =
-                    timeout_while(call.peers, WaitSite{"internode_dispatch receiver: NVLink ring tail (forwarder)",
+                    profiled_wait(call.peers, WaitSite{"internode_dispatch receiver: NVLink ring tail (forwarder)",
                                                        call.node * V + peer, c, head + 1},
                                   [&](int64_t& seen) {
                                       seen = tail = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words.dispatch_tail));
                                       return tail <= head;
-                                  }, call.timed());
+                                  });
                 if (call.timed()) {
                     call.stamp_wait(kDispatchRoleNvlReceiver, kNvlReceiverStarvedNs, waited);
                     if (head == start) call.stamp_first(kDispatchRoleNvlReceiver, kNvlReceiverFirstTail);
@@ -689,12 +741,12 @@ __device__ int next_forward_batch(const InternodeCall& call, ForwardStream* stre
                 } else {  // the receiver learns the node's start and count from a meta message of its own
                     const int64_t need = nvl_tail + 1 - call.nvl_slots;
                     const uint64_t waited =
-                        timeout_while(call.peers, WaitSite{"internode_dispatch forwarder: NVLink ring room (head)",
+                        profiled_wait(call.peers, WaitSite{"internode_dispatch forwarder: NVLink ring room (head)",
                                                            call.node * V + j, c, need},
                                       [&](int64_t& seen) {
                                           seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words->dispatch_head));
                                           return seen < need;
-                                      }, call.timed());
+                                      });
                     call.stamp_wait(kDispatchRoleForwarder, kForwarderBlockedNs, waited);
                     char* out = dest.slot_at(c, call.nvl_rank, nvl_tail % call.nvl_slots);
                     *reinterpret_cast<int4*>(out) = make_int4(start, n, kMsgMeta, count);
@@ -721,14 +773,14 @@ __device__ int next_forward_batch(const InternodeCall& call, ForwardStream* stre
     scan();
     while (found < 0 && waiting >= 0) {
         const int peer = call.rail_peer(waiting);
-        const uint64_t waited = timeout_while(call.peers, WaitSite{"internode_dispatch forwarder: RDMA chunk flag",
+        const uint64_t waited = profiled_wait(call.peers, WaitSite{"internode_dispatch forwarder: RDMA chunk flag",
                                                                    peer, c, streams[waiting].pos + 1},
                                               [&](int64_t& seen) {
                                                   waiting = -1;
                                                   scan();
                                                   seen = waiting >= 0 ? streams[waiting].pos : -1;
                                                   return found < 0 && waiting >= 0;
-                                              }, call.timed());
+                                              });
         call.stamp_wait(kDispatchRoleForwarder, kForwarderStarvedNs, waited);
     }
     return found;
@@ -756,13 +808,13 @@ __device__ void dispatch_forwarders(const InternodeCall& call, ForwardStream (*s
     if (group_thread == 0 && !direct) {
         nvl_tail = static_cast<int64_t>(ptx::ld_volatile_u64(&words->dispatch_tail));  // mine alone to write
         for (int n = 0; n < N; ++n) {  // combine's sub-rings there drained before dispatch reuses the region
-            const uint64_t waited = timeout_while(
+            const uint64_t waited = profiled_wait(
                 call.peers, WaitSite{"internode_dispatch forwarder: the NVLink region to drain (combine)",
                                      call.node * V + j, c, n},
                 [&](int64_t& seen) {
                     seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words->combine_head[n]));
                     return seen != static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words->combine_tail[n]));
-                }, call.timed());
+                });
             call.stamp_wait(kDispatchRoleForwarder, kForwarderBlockedNs, waited);
         }
         s_nvl_tail[j] = nvl_tail;
@@ -796,12 +848,12 @@ __device__ void dispatch_forwarders(const InternodeCall& call, ForwardStream (*s
         if (group_thread == 0 && !direct && count > 0) {
             const int64_t need = tail0 + count - call.nvl_slots;
             const uint64_t waited =
-                timeout_while(call.peers, WaitSite{"internode_dispatch forwarder: NVLink ring room (head)",
+                profiled_wait(call.peers, WaitSite{"internode_dispatch forwarder: NVLink ring room (head)",
                                                    call.node * V + j, c, need},
                               [&](int64_t& seen) {
                                   seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words->dispatch_head));
                                   return seen < need;
-                              }, call.timed());
+                              });
             call.stamp_wait(kDispatchRoleForwarder, kForwarderBlockedNs, waited);
         }
         ptx::bar_sync(barrier, kForwardWarps * 32);
@@ -959,12 +1011,12 @@ __device__ void combine_nvl_senders(const InternodeCall& call, const int4* y, co
     if (group_thread == 0) {  // the region's dispatch ring read to its end before its sub-rings are written
         const int64_t dispatched = static_cast<int64_t>(ptx::ld_volatile_u64(&words.dispatch_tail));
         const uint64_t waited =
-            timeout_while(call.peers, WaitSite{"internode_combine NVLink sender: the region to drain (dispatch)",
+            profiled_wait(call.peers, WaitSite{"internode_combine NVLink sender: the region to drain (dispatch)",
                                                call.node * V + peer, c, dispatched},
                           [&](int64_t& seen) {
                               seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words.dispatch_head));
                               return seen != dispatched;
-                          }, call.timed());
+                          });
         call.stamp_wait(kCombineRoleNvlSender, kNvlSenderBlockedNs, waited);
     }
     ptx::bar_sync(barrier, kSendWarps * 32);
@@ -977,12 +1029,12 @@ __device__ void combine_nvl_senders(const InternodeCall& call, const int4* y, co
             if (group_thread == 0) {
                 const int64_t need = tail + rows - sub_slots;
                 const uint64_t waited =
-                    timeout_while(call.peers, WaitSite{"internode_combine NVLink sender: sub-ring room (head)",
+                    profiled_wait(call.peers, WaitSite{"internode_combine NVLink sender: sub-ring room (head)",
                                                        call.node * V + peer, c, need},
                                   [&](int64_t& seen) {
                                       seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words.combine_head[n]));
                                       return seen < need;
-                                  }, call.timed());
+                                  });
                 call.stamp_wait(kCombineRoleNvlSender, kNvlSenderBlockedNs, waited);
             }
             ptx::bar_sync(barrier, kSendWarps * 32);
@@ -1134,12 +1186,12 @@ __device__ void combine_readers(const InternodeCall& call, volatile int (*progre
         if (lane < N && e >= 0) {
             const int64_t pos = base + e;
             const uint64_t* flag = &call.ring(lane).flag[call.chunks.flag(pos)];
-            waited = timeout_while(call.peers, WaitSite{"internode_combine reader: RDMA chunk flag",
+            waited = profiled_wait(call.peers, WaitSite{"internode_combine reader: RDMA chunk flag",
                                                         call.rail_peer(lane), c, pos + 1},
                                    [&](int64_t& seen) {
                                        seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(flag));
                                        return seen <= pos;
-                                   }, call.timed());
+                                   });
         }
         __syncwarp();
         call.stamp_warp_wait(kCombineRoleReader, kReaderStarvedNs, waited, lane);
@@ -1245,12 +1297,12 @@ __device__ void forward_partial(const InternodeCall& call, int n, char* out, con
     if (lane < V && lane != me && receipt >= 0) {
         const uint64_t* tail = &mine.ring_words(c, lane).combine_tail[n];
         const int64_t need = nvl_base + receipt + 1;
-        waited = timeout_while(call.peers, WaitSite{"internode_combine forwarder: NVLink sub-ring tail",
+        waited = profiled_wait(call.peers, WaitSite{"internode_combine forwarder: NVLink sub-ring tail",
                                                     call.node * V + lane, c, need},
                                [&](int64_t& seen) {
                                    seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(tail));
                                    return seen < need;
-                               }, call.timed());
+                               });
     }
     __syncwarp();
     call.stamp_warp_wait(kCombineRoleForwarder, kCombineForwarderStarvedNs, waited, lane);
@@ -1311,12 +1363,12 @@ __device__ void combine_forward_node(const InternodeCall& call, int n, const int
     const int64_t nvl_base = lane < V ? static_cast<int64_t>(mine.ring_words(c, lane).combine_head[n]) : 0;
     if (warp_in_group == 0 && lane == 0) {
         const uint64_t waited =
-            timeout_while(call.peers, WaitSite{"internode_combine forwarder: the RDMA ring to drain",
+            profiled_wait(call.peers, WaitSite{"internode_combine forwarder: the RDMA ring to drain",
                                                call.rail_peer(n), c, last_end},
                           [&](int64_t& seen) {
                               seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
                               return seen < last_end;
-                          }, call.timed());
+                          });
         call.stamp_wait(kCombineRoleForwarder, kCombineForwarderBlockedNs, waited);
     }
     ptx::bar_sync(barrier, warps * 32);
@@ -1326,12 +1378,12 @@ __device__ void combine_forward_node(const InternodeCall& call, int n, const int
             if (lane == 0) {
                 const int64_t need = call.chunks.head_needed(base + k0);
                 const uint64_t waited =
-                    timeout_while(call.peers, WaitSite{"internode_combine forwarder: RDMA ring room (head)",
+                    profiled_wait(call.peers, WaitSite{"internode_combine forwarder: RDMA ring room (head)",
                                                        call.rail_peer(n), c, need},
                                   [&](int64_t& seen) {
                                       seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
                                       return seen < need;
-                                  }, call.timed());
+                                  });
                 call.stamp_wait(kCombineRoleForwarder, kCombineForwarderBlockedNs, waited);
             }
             __syncwarp();

@@ -1,6 +1,6 @@
 """EPJIT_PROFILE's point names on the host must follow the kernels' enums (cuda_src/timeline.cuh stamps
 timeline[block][point], or timeline[channel x roles + role][point] for the internode kernels; Buffer.profile() names
-the slots with these tuples), and the internode kernels' rows sum up role by role."""
+the slots with these tuples), the internode kernels' rows sum up role by role, and only their profile build stamps."""
 
 from __future__ import annotations
 
@@ -9,7 +9,20 @@ import re
 import numpy as np
 import pytest
 
-from epjit.kernels import cuda_sources, internode, internode_combine_fp8_spec, internode_spec, intranode, low_latency
+from epjit.jit import KernelSpec
+from epjit.jit.compiler import compile_options
+from epjit.kernels import (
+    by_stores,
+    check_specs,
+    cuda_sources,
+    internode,
+    internode_combine_fp8_spec,
+    internode_spec,
+    intranode,
+    jit_config,
+    low_latency,
+    profile_spec,
+)
 from epjit.kernels.foundation import (
     TIMELINE_ROLE_TAG_STRIDE,
     TIMELINE_SLOTS,
@@ -17,6 +30,7 @@ from epjit.kernels.foundation import (
     TIMELINE_TAG_SLOT,
     TimelineRole,
 )
+from epjit.ops.internode import Internode
 from epjit.ops.profile import Profile, summarise_roles
 
 CUDA_SRC = cuda_sources()
@@ -60,7 +74,8 @@ def test_slot_count_matches_the_header():
     # The SM and tag slots the host reads (Buffer.profile_blocks) are the ones timeline_start writes.
     assert TIMELINE_SM_SLOT == TIMELINE_SLOTS - 1 and "kTimelineSmSlot = kTimelineSlots - 1;" in header
     assert TIMELINE_TAG_SLOT == TIMELINE_SLOTS - 2 and "kTimelineTagSlot = kTimelineSlots - 2;" in header
-    assert f"constexpr int kTimelineRoleTagStride = {TIMELINE_ROLE_TAG_STRIDE};" in header
+    rows = (CUDA_SRC / "role_timeline.cuh").read_text()
+    assert f"constexpr int kTimelineRoleTagStride = {TIMELINE_ROLE_TAG_STRIDE};" in rows
 
 
 def test_internode_rows_a_channel():
@@ -139,3 +154,65 @@ def test_profile_reports_roles():
     assert blocks["dispatch:receiver"] == []
     assert [row[:2] for row in blocks["dispatch:forwarder"]] == [(2, 0), (12, 1)]
     assert [s.role for s in profile.roles()] == ["sender", "forwarder"]
+
+
+def _internode_builds() -> list[KernelSpec]:
+    spec = internode_spec(2, 2)
+    family = [internode.InternodeNotifySpec(2, 2), spec, internode_combine_fp8_spec(spec)]
+    return family + [by_stores(s) for s in family]
+
+
+@pytest.mark.parametrize("build", _internode_builds(), ids=lambda s: s.family.split(".")[0] + type(s).__name__)
+def test_profile_build_is_the_same_kernels_with_the_define(build):
+    """profile_spec: the same kernels at the same instantiation and RDMA leg, built with EPJIT_INTERNODE_PROFILE (a
+    module of its own); the production build never has the define."""
+    profiled = profile_spec(build)
+    assert isinstance(profiled, type(build)) and type(profiled) is not type(build)
+    assert profiled.template_args() == build.template_args() and profiled.KERNELS == build.KERNELS
+    assert profiled.DEFINES == (*build.DEFINES, internode.PROFILE) and internode.PROFILE not in build.DEFINES
+    assert profiled.USES_NVSHMEM == build.USES_NVSHMEM and profiled.family != build.family
+    assert profile_spec(profiled) is profiled
+    assert profiled in check_specs()  # `python -m epjit.jit --check` builds it
+
+
+def test_ops_load_the_profile_build_only_when_profiling():
+    """Across nodes a Buffer made with EPJIT_PROFILE=1 runs the profile build, any other the production one."""
+    spec = internode_spec(2, 2)
+    for by_ipc in (False, True):
+        for enabled in (False, True):
+            ops = Internode.__new__(Internode)  # (no GPU: _build reads these two alone)
+            ops.by_stores, ops.profile = by_ipc, Profile(enabled)
+            production = by_stores(spec) if by_ipc else spec
+            assert ops._build(spec) == (profile_spec(production) if enabled else production)
+            assert (internode.PROFILE in ops._build(spec).DEFINES) == enabled
+
+
+def _ptx(spec: KernelSpec) -> tuple[str, dict[str, str]]:
+    """NVRTC's PTX of a spec's module (no GPU needed) and each kernel's lowered name."""
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (NVRTC) not installed")
+    options = [o for o in compile_options(spec, "sm_90", jit_config()) if not o.startswith("-arch")]
+    err, prog = nvrtc.nvrtcCreateProgram(f'#include "{spec.SOURCE}"\n'.encode(), b"profile_check.cu", 0, [], [])
+    try:
+        for expression in spec.name_expressions().values():
+            nvrtc.nvrtcAddNameExpression(prog, expression.encode())
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(options) + 1, [o.encode() for o in [*options, "-arch=compute_90"]])
+        assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, spec.family
+        _, size = nvrtc.nvrtcGetPTXSize(prog)
+        ptx = bytearray(size)
+        nvrtc.nvrtcGetPTX(prog, ptx)
+        names = {k: nvrtc.nvrtcGetLoweredName(prog, e.encode())[1].decode() for k, e in spec.name_expressions().items()}
+        return ptx.rstrip(b"\0").decode(), names
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+@pytest.mark.parametrize("build", _internode_builds()[3:], ids=lambda s: s.family.split(".")[0])
+def test_production_build_has_no_stamps(build):
+    """The production kernels take the timeline and never read it (no stamp, no timed wait: the code they were
+    without them); the profile build reads it. Each kernel's timeline is its last parameter."""
+    for spec, stamps in ((build, False), (profile_spec(build), True)):
+        ptx, lowered = _ptx(spec)
+        for kernel, params in spec.KERNELS.items():
+            assert params[-1] == internode.TIMELINE
+            read = re.search(rf"\[{re.escape(lowered[kernel])}_param_{len(params) - 1}\]", ptx) is not None
+            assert read == stamps, (spec.family, kernel)

@@ -20,7 +20,7 @@ NVL_RING_BYTES = 528  # sizeof(NvlRing): dispatch tail, head, combine tail[32], 
 HEAP_RINGS_OFFSET = 2 * MAX_NODES * 8 + 128  # kHeapRingsOffset: notify signals, the epoch
 EXPERT_CAP = 4096  # notify areas hold this many experts' counts, or the Buffer's num_experts if larger
 DISPATCH_BATCH = 32  # messages a forwarding group takes at once (and senders stage at once)
-TIMELINE = ("timeline", "uint64_t*")  # EPJIT_PROFILE's stamps (0: none)
+TIMELINE = ("timeline", "uint64_t*")  # EPJIT_PROFILE's stamps (0: none; only the profile build reads it)
 
 # EPJIT_PROFILE: cuda_src/internode.cu's enums, in order. Notify stamps a row a block (InternodeNotifyPoint);
 # dispatch and combine a row a (channel, role), the roles in DispatchRole / CombineRole order, each with its points
@@ -200,6 +200,77 @@ def by_stores(spec: InternodeNotifySpec | InternodeSpec | InternodeCombineFp8Spe
     """The same kernels at the same instantiation, built with the RDMA leg as NVLink stores."""
     stores = next(stores for family, stores in _STORES.items() if isinstance(spec, family))
     return stores(**{f.name: getattr(spec, f.name) for f in fields(spec)})
+
+
+# The profile build (a Buffer made with EPJIT_PROFILE=1): each build again with EPJIT_INTERNODE_PROFILE, the only one
+# whose kernels stamp the timeline they take (and time their waits). A build of its own, so the production kernels
+# ignore the argument and are the code they were without stamps (cuda_src/internode.cu: kInternodeProfile).
+PROFILE = "EPJIT_INTERNODE_PROFILE"
+
+
+@dataclass(frozen=True)
+class InternodeNotifyProfileSpec(InternodeNotifySpec):
+    """InternodeNotifySpec's profile build (EPJIT_INTERNODE_PROFILE)."""
+
+    DEFINES = (PROFILE,)
+    BUILD = "internode_profile"
+
+
+@dataclass(frozen=True)
+class InternodeProfileSpec(InternodeSpec):
+    """InternodeSpec's profile build (EPJIT_INTERNODE_PROFILE)."""
+
+    DEFINES = (PROFILE,)
+    BUILD = "internode_profile"
+
+
+@dataclass(frozen=True)
+class InternodeCombineFp8ProfileSpec(InternodeCombineFp8Spec):
+    """InternodeCombineFp8Spec's profile build (EPJIT_INTERNODE_PROFILE)."""
+
+    DEFINES = (PROFILE,)
+    BUILD = "internode_combine_fp8_profile"
+
+
+@dataclass(frozen=True)
+class InternodeNotifyStoresProfileSpec(InternodeNotifyStoresSpec):
+    """InternodeNotifyStoresSpec's profile build (EPJIT_INTERNODE_PROFILE)."""
+
+    DEFINES = ("EPJIT_RDMA_BY_STORES", PROFILE)
+    BUILD = "internode_stores_profile"
+
+
+@dataclass(frozen=True)
+class InternodeStoresProfileSpec(InternodeStoresSpec):
+    """InternodeStoresSpec's profile build (EPJIT_INTERNODE_PROFILE)."""
+
+    DEFINES = ("EPJIT_RDMA_BY_STORES", PROFILE)
+    BUILD = "internode_stores_profile"
+
+
+@dataclass(frozen=True)
+class InternodeCombineFp8StoresProfileSpec(InternodeCombineFp8StoresSpec):
+    """InternodeCombineFp8StoresSpec's profile build (EPJIT_INTERNODE_PROFILE)."""
+
+    DEFINES = ("EPJIT_RDMA_BY_STORES", PROFILE)
+    BUILD = "internode_combine_fp8_stores_profile"
+
+
+PROFILE_BUILDS: dict[type, type] = {
+    InternodeNotifySpec: InternodeNotifyProfileSpec,
+    InternodeSpec: InternodeProfileSpec,
+    InternodeCombineFp8Spec: InternodeCombineFp8ProfileSpec,
+    InternodeNotifyStoresSpec: InternodeNotifyStoresProfileSpec,
+    InternodeStoresSpec: InternodeStoresProfileSpec,
+    InternodeCombineFp8StoresSpec: InternodeCombineFp8StoresProfileSpec,
+}
+
+
+def profile_spec(spec: InternodeNotifySpec | InternodeSpec | InternodeCombineFp8Spec) -> KernelSpec:
+    """The same kernels at the same instantiation (and RDMA leg) in the profile build; a profile build is returned
+    as it is."""
+    build = PROFILE_BUILDS.get(type(spec))
+    return spec if build is None else build(**{f.name: getattr(spec, f.name) for f in fields(spec)})
 
 
 @functools.cache

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..arrays import address
 from ..config import Config
-from ..jit import KernelArgs, Module
+from ..jit import KernelArgs, KernelSpec, Module
 from ..kernels.internode import (
     NOTIFY_TIMELINE_POINTS,
     NUM_THREADS,
@@ -32,6 +32,7 @@ from ..kernels.internode import (
     InternodeNotifySpec,
     InternodeSpec,
     by_stores,
+    profile_spec,
     timeline_roles,
 )
 from ..kernels.intranode import META_INTS
@@ -126,12 +127,18 @@ class Internode(Intranode):
         super().__init__(mem, streams, outputs, profile, device, num_experts)
         self.forward_estimate = RowEstimate(self.num_nodes)  # tokens this rank forwards, by the same rule as rows
 
-    def _notify_spec(self) -> InternodeNotifySpec:
-        spec = InternodeNotifySpec(self.num_nodes, self.num_nvl_ranks)
-        return by_stores(spec) if self.by_stores else spec
+    def _notify_spec(self) -> KernelSpec:
+        return self._build(InternodeNotifySpec(self.num_nodes, self.num_nvl_ranks))
 
     def module(self, spec: InternodeSpec | InternodeCombineFp8Spec) -> Module:
-        return super().module(by_stores(spec) if self.by_stores else spec)
+        return super().module(self._build(spec))
+
+    def _build(self, spec: InternodeNotifySpec | InternodeSpec | InternodeCombineFp8Spec) -> KernelSpec:
+        """The build of ``spec`` this Buffer runs: with the RDMA leg as stores on IPC memory; with EPJIT_PROFILE=1
+        (read when the Buffer was made) the profile build, the only one that stamps its timeline (the production
+        kernels take the argument and ignore it: they are the code they were without stamps)."""
+        build = by_stores(spec) if self.by_stores else spec
+        return profile_spec(build) if self.profile.enabled else build
 
     # ---------------------------------------------------------------------------------------------------- plans
 
