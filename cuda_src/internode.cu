@@ -36,13 +36,151 @@
 #include "rdma.cuh"
 #include "status.cuh"
 #include "wait.cuh"
+#if defined(EPJIT_INTERNODE_PROFILE)  // the profile build alone stamps (see RoleStamps)
+#include "role_timeline.cuh"
+#endif
 
 namespace epjit {
 
 constexpr uint32_t kFullMask = 0xffffffffu;
 
-// What every role of a dispatch or combine launch needs to find its rings.
-struct InternodeCall {
+// EPJIT_PROFILE (role_timeline.cuh; epjit/kernels/internode.py mirrors these enums). Notify stamps a row a block,
+// dispatch and combine a row a (channel, role): timeline[channel * kInternodeRoles + role][point], tagged with both.
+// A role's moments are its first warp's (first_*) or its last's (last_*, done); a slot ending in Ns sums the
+// nanoseconds its waiters spun: starved, waiting for what it consumes; blocked, for room where it produces.
+// Only the profile build stamps (EPJIT_INTERNODE_PROFILE; a Buffer made with EPJIT_PROFILE=1 loads it): the
+// production build's stamps and wait timings are empty functions, it ignores its timeline argument and declares no
+// constant or global of its own for them, so its kernels are the code they were without stamps (their SASS,
+// registers and spills).
+enum InternodeNotifyPoint {
+    kInternodeNotifyAtStart = 0,   // the block began
+    kInternodeNotifyAtSent = 1,    // block 0: my counts put to every rail peer
+    kInternodeNotifyAtRail = 2,    // block 0: every rail peer's counts arrived (the RDMA leg)
+    kInternodeNotifyAtFolded = 3,  // block 0: the folds written into every node peer's buffer
+    kInternodeNotifyAtNode = 4,    // block 0: every node peer's fold arrived (the NVLink barrier passed)
+    kInternodeNotifyAtEnd = 5,     // the block's work done (block 0: the host record written)
+};
+enum DispatchRole {
+    kDispatchRoleRdmaSender = 0,   // the sending block's sender warps: stage my tokens, put them to each node
+    kDispatchRoleNvlReceiver = 1,  // the sending block's receiver groups: node peers' NVLink rings into recv_x
+    kDispatchRoleForwarder = 2,    // the forwarding block's groups: RDMA rings into the node's NVLink rings
+};
+enum RdmaSenderPoint {
+    kRdmaSenderStart = 0,      // the block began
+    kRdmaSenderFirstPut = 1,   // a warp put its first chunk (or set its flag: my own node)
+    kRdmaSenderLastPut = 2,    // the last chunk put
+    kRdmaSenderDone = 3,       // the last sender warp finished
+    kRdmaSenderBlockedNs = 4,  // waits for RDMA ring room (and for the last call's ring to drain), a warp each
+};
+enum NvlReceiverPoint {
+    kNvlReceiverStart = 0,      // the block began
+    kNvlReceiverFirstTail = 1,  // a group saw its ring's first messages
+    kNvlReceiverLastTail = 2,   // a group saw its ring's final tail
+    kNvlReceiverDone = 3,       // the last group stored its rows
+    kNvlReceiverStarvedNs = 4,  // waits for a tail (the node peer's forwarder), a group leader each
+};
+enum ForwarderPoint {
+    kForwarderStart = 0,          // the block began
+    kForwarderFirstChunk = 1,     // a group found its first landed RDMA chunk
+    kForwarderLastForwarded = 2,  // the last batch forwarded (its NVLink tail published)
+    kForwarderDone = 3,           // the last group found every stream done
+    kForwarderStarvedNs = 4,      // waits for RDMA chunk flags, a group leader each
+    kForwarderBlockedNs = 5,      // waits for NVLink ring room (and combine's region to drain), a group leader each
+};
+enum CombineRole {
+    kCombineRoleNvlSender = 0,  // the sending block's NVLink senders: my rows back to the node peer that forwarded them
+    kCombineRoleForwarder = 1,  // the forwarding block's groups: a node's rows summed in float32, put home
+    kCombineRoleReader = 2,     // the sending block's readers: the nodes' partials summed in float32 into out_x
+};
+enum NvlSenderPoint {
+    kNvlSenderStart = 0,       // the block began
+    kNvlSenderFirstChunk = 1,  // a group published its first chunk's tail
+    kNvlSenderLastChunk = 2,   // the last chunk's tail published
+    kNvlSenderDone = 3,        // the last group finished
+    kNvlSenderBlockedNs = 4,   // waits for sub-ring room (and dispatch's region to drain), a group leader each
+};
+enum CombineForwarderPoint {
+    kCombineForwarderStart = 0,      // the block began
+    kCombineForwarderFirstPut = 1,   // a warp put its first chunk of partials
+    kCombineForwarderLastPut = 2,    // the last chunk put
+    kCombineForwarderDone = 3,       // the last warp finished
+    kCombineForwarderStarvedNs = 4,  // waits for node peers' rows (NVLink sub-ring tails), a warp each
+    kCombineForwarderBlockedNs = 5,  // waits for RDMA ring room (and the last call's ring to drain), a warp each
+};
+enum ReaderPoint {
+    kReaderStart = 0,       // the block began
+    kReaderFirstToken = 1,  // a reader summed its first token
+    kReaderLastToken = 2,   // the last token summed
+    kReaderDone = 3,        // the last reader finished
+    kReaderStarvedNs = 4,   // waits for RDMA chunk flags (the partials), a warp each
+};
+
+#if defined(EPJIT_INTERNODE_PROFILE)
+// (An enum, not a constexpr variable: NVRTC emits each namespace-scope constant as a global, which moves the
+// production build's constant bank.)
+enum : bool { kInternodeProfile = true };
+constexpr int kInternodeRoles = 3;  // rows a channel, in dispatch and in combine
+
+// A role's row of this channel, timeline[channel * kInternodeRoles + role] (the production build's RoleStamps is an
+// empty base of InternodeCall whose stamps are empty, so the call's layout and code stay as they were).
+struct RoleStamps {
+    uint64_t* timeline;  // EPJIT_PROFILE's rows (nullptr: no stamps, each stamp one branch)
+    int stamp_channel;
+
+    __device__ RoleStamps(uint64_t* timeline_, int channel_) : timeline(timeline_), stamp_channel(channel_) {}
+    __device__ bool timed() const { return timeline != nullptr; }
+    __device__ int row(int role) const { return stamp_channel * kInternodeRoles + role; }
+    __device__ void stamp_start(int role) const {
+        timeline_row_start(timeline, row(role), 0, role, stamp_channel);
+    }
+    __device__ void stamp_first(int role, int point) const { timeline_row_first(timeline, row(role), point); }
+    __device__ void stamp_latest(int role, int point) const { timeline_row_latest(timeline, row(role), point); }
+    __device__ void stamp_wait(int role, int slot_, uint64_t ns) const {
+        timeline_row_add(timeline, row(role), slot_, ns);
+    }
+    __device__ void stamp_warp_wait(int role, int slot_, uint64_t ns, int lane) const {
+        timeline_row_add_warp(timeline, row(role), slot_, ns, lane);
+    }
+};
+
+// A wait of a dispatch or combine role: timeout_while, timed (its nanoseconds go to a role's row, stamp_wait).
+template <typename KeepWaiting>
+__device__ __forceinline__ uint64_t profiled_wait(const PeersTable* peers, const WaitSite& site,
+                                                  KeepWaiting&& keep_waiting) {
+    return timeout_while<true>(peers, site, keep_waiting);
+}
+
+// Notify's stamps, a row a block (each under `if constexpr (kInternodeProfile)`: even an empty call before a return
+// changes the production build's code).
+__device__ __forceinline__ void notify_stamp(uint64_t* timeline, int point) {
+    if (point == kInternodeNotifyAtStart) timeline_start(timeline, point);
+    else timeline_mark(timeline, point);
+}
+#else
+enum : bool { kInternodeProfile = false };
+
+struct RoleStamps {
+    __device__ RoleStamps(uint64_t*, int) {}
+    __device__ static constexpr bool timed() { return false; }
+    __device__ void stamp_start(int) const {}
+    __device__ void stamp_first(int, int) const {}
+    __device__ void stamp_latest(int, int) const {}
+    __device__ void stamp_wait(int, int, uint64_t) const {}
+    __device__ void stamp_warp_wait(int, int, uint64_t, int) const {}
+};
+
+template <typename KeepWaiting>
+__device__ __forceinline__ uint64_t profiled_wait(const PeersTable* peers, const WaitSite& site,
+                                                  KeepWaiting&& keep_waiting) {
+    timeout_while(peers, site, keep_waiting);
+    return 0;
+}
+
+__device__ __forceinline__ void notify_stamp(uint64_t*, int) {}
+#endif
+
+// What every role of a dispatch or combine launch needs to find its rings (and, in the profile build, its rows).
+struct InternodeCall : RoleStamps {
     const PeersTable* peers;
     int rank, nvl_rank, node, num_nodes, num_nvl_ranks, channel, num_channels, expert_cap;
     int hidden, num_topk;
@@ -54,10 +192,10 @@ struct InternodeCall {
     // fp8_combine: the RDMA rings in the FP8 combine's slots (fp8_combine_slot_bytes).
     __device__ InternodeCall(const PeersTable* peers_, int num_nodes_, int num_nvl_ranks_, int channel_,
                              int num_channels_, int expert_cap_, int hidden_, int num_topk_, int rdma_slots,
-                             int rdma_chunk, int nvl_slots_, bool fp8_combine = false)
-        : peers(peers_), rank(peers_->rank), nvl_rank(peers_->nvl_rank), node(peers_->rank / num_nvl_ranks_),
-          num_nodes(num_nodes_), num_nvl_ranks(num_nvl_ranks_), channel(channel_), num_channels(num_channels_),
-          expert_cap(expert_cap_), hidden(hidden_), num_topk(num_topk_),
+                             int rdma_chunk, int nvl_slots_, uint64_t* timeline_, bool fp8_combine = false)
+        : RoleStamps(timeline_, channel_), peers(peers_), rank(peers_->rank), nvl_rank(peers_->nvl_rank),
+          node(peers_->rank / num_nvl_ranks_), num_nodes(num_nodes_), num_nvl_ranks(num_nvl_ranks_), channel(channel_),
+          num_channels(num_channels_), expert_cap(expert_cap_), hidden(hidden_), num_topk(num_topk_),
           heap(peers_->sym_base, num_nodes_ * num_nvl_ranks_, num_nodes_, expert_cap_, num_channels_, rdma_slots,
                fp8_combine ? fp8_combine_slot_bytes(hidden_, num_topk_) : slot_bytes(hidden_, num_topk_)),
           chunks{rdma_chunk, rdma_slots / rdma_chunk}, nvl_slots(nvl_slots_), slot(slot_bytes(hidden_, num_topk_)) {}
@@ -180,10 +318,11 @@ __global__ void internode_notify(const PeersTable* peers, const int* num_tokens_
                                  int recv_capacity, int fwd_capacity, int config_tag, int layout_fits,
                                  const int* invalid_ids, int* saved_counts, int* channel_prefix_matrix,
                                  int* rdma_channel_prefix, int* recv_rank_prefix, int* fwd_node_prefix, int* host_out,
-                                 int* call_status) {
+                                 int* call_status, uint64_t* timeline) {
     constexpr int N = kNumNodes, V = kNumNvlRanks, R = N * V;
     // Dispatch, launched programmatically behind this kernel, may start and claim its channels meanwhile.
     ptx::griddepcontrol_launch_dependents();
+    if constexpr (kInternodeProfile) notify_stamp(timeline, kInternodeNotifyAtStart);
     if (blockIdx.x > 0) {
         const int b = static_cast<int>(blockIdx.x) - 1;
         if (b < R)
@@ -192,6 +331,7 @@ __global__ void internode_notify(const PeersTable* peers, const int* num_tokens_
         else
             channel_prefix_block(is_token_in_rank, num_tokens, R, (b - R) * V, V, num_channels,
                                  rdma_channel_prefix + (b - R) * num_channels);
+        if constexpr (kInternodeProfile) notify_stamp(timeline, kInternodeNotifyAtEnd);
         return;
     }
     const int t = static_cast<int>(threadIdx.x), num_threads = static_cast<int>(blockDim.x);
@@ -239,6 +379,7 @@ __global__ void internode_notify(const PeersTable* peers, const int* num_tokens_
                                  static_cast<size_t>(msg_bytes), signal, epoch, SignalOp::kSet, m * V + i, lane);
         }
     }
+    if constexpr (kInternodeProfile) notify_stamp(timeline, kInternodeNotifyAtSent);
     // 2. The rail's messages.
     if (t < N) {
         const uint64_t* signal = heap.signals + area * kMaxNodes + t;
@@ -250,6 +391,7 @@ __global__ void internode_notify(const PeersTable* peers, const int* num_tokens_
                       });
     }
     __syncthreads();
+    if constexpr (kInternodeProfile) notify_stamp(timeline, kInternodeNotifyAtRail);
     // 3. Fold for node peer j: the rail's metas, rows for every rank, forwarded tokens of every node's rank i,
     //    what each rail peer sends j, and j's experts' counts; into area (area, i) of j's NVLink buffer.
     auto rail = [&](int n, int k) { return ptx::ld_volatile_s32(heap.notify_area(area, n) + k); };
@@ -280,8 +422,10 @@ __global__ void internode_notify(const PeersTable* peers, const int* num_tokens_
             sum += rail(n, kInternodeMetaInts + R + node);
         }
     }
+    if constexpr (kInternodeProfile) notify_stamp(timeline, kInternodeNotifyAtFolded);
     // 4. Every node peer's fold (nvl_barrier_block fences the writes above and acquires the peers').
     nvl_barrier_block<V>(peers, "internode_notify: node peers' counts (NVLink leg)");
+    if constexpr (kInternodeProfile) notify_stamp(timeline, kInternodeNotifyAtNode);
     const InternodeNvl mine(nvl_ptr(peers, i, kNvlHeaderBytes), R, N, expert_cap, 0, 0, 0);
     auto fold = [&](int j, int k) { return ptx::ld_volatile_s32(mine.notify_area(area, j) + k); };
     auto meta_of = [&](int s, int k) { return fold(s % V, 8 * (s / V) + k); };
@@ -345,6 +489,7 @@ __global__ void internode_notify(const PeersTable* peers, const int* num_tokens_
             ptx::st_release_sys_s32(host_out, recv_rank_prefix[R]);
         }
     }
+    if constexpr (kInternodeProfile) notify_stamp(timeline, kInternodeNotifyAtEnd);
 }
 
 // ------------------------------------------------------------------------------------------------------- dispatch
@@ -400,6 +545,7 @@ __device__ void dispatch_senders(const InternodeCall& call, const int4* x, const
     const int64_t S = call.chunks.size;
     const int x_int4 = num_scales > 0 ? hidden / 16 : hidden / 8;
     int64_t base = 0, end = 0;  // lane m: node m's stream: its meta message's position, its end
+    uint64_t drained = 0;        // (EPJIT_PROFILE: how long lane m waited for the drain)
     if (lane < N) {
         const RdmaRing& ring = call.ring(lane);
         const int64_t last_end = static_cast<int64_t>(ring.tail);
@@ -407,19 +553,24 @@ __device__ void dispatch_senders(const InternodeCall& call, const int4* x, const
         const int* prefix = rdma_channel_prefix + lane * C;
         end = base + 1 + prefix[c] - (c > 0 ? prefix[c - 1] : 0);
         // A ring is written only once its reader has read everything before (its layout may have changed since).
-        timeout_while(call.peers, WaitSite{"internode_dispatch sender: the RDMA ring to drain", call.rail_peer(lane),
-                                           c, last_end},
-                      [&](int64_t& seen) {
-                          seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
-                          return seen < last_end;
-                      });
+        drained = profiled_wait(call.peers, WaitSite{"internode_dispatch sender: the RDMA ring to drain",
+                                                     call.rail_peer(lane), c, last_end},
+                                [&](int64_t& seen) {
+                                    seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
+                                    return seen < last_end;
+                                });
     }
     __syncwarp();
+    call.stamp_warp_wait(kDispatchRoleRdmaSender, kRdmaSenderBlockedNs, drained, lane);
     auto chunk_done = [&](int m, int64_t p, int64_t stream_base, int64_t stream_end) {
         if (p % S == S - 1 || p + 1 == stream_end) {
             __syncwarp();
             ptx::fence_acq_rel_gpu();  // the chunk's slots before the put (or flag) that carries them
             put_chunk(call, m, max(p / S * S, stream_base), p + 1, lane);
+            if (call.timed() && lane == 0) {
+                call.stamp_first(kDispatchRoleRdmaSender, kRdmaSenderFirstPut);
+                call.stamp_latest(kDispatchRoleRdmaSender, kRdmaSenderLastPut);
+            }
         }
     };
 #pragma unroll
@@ -453,12 +604,14 @@ __device__ void dispatch_senders(const InternodeCall& call, const int4* x, const
                 if (p % S == 0 && lane == 0) {  // the first message of my chunk: room for the whole chunk
                     const int64_t need = call.chunks.head_needed(p);
                     const RdmaRing& ring = call.ring(m);
-                    timeout_while(call.peers, WaitSite{"internode_dispatch sender: RDMA ring room (head)",
-                                                       call.rail_peer(m), c, need},
-                                  [&](int64_t& seen) {
-                                      seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
-                                      return seen < need;
-                                  });
+                    const uint64_t waited =
+                        profiled_wait(call.peers, WaitSite{"internode_dispatch sender: RDMA ring room (head)",
+                                                           call.rail_peer(m), c, need},
+                                      [&](int64_t& seen) {
+                                          seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
+                                          return seen < need;
+                                      });
+                    call.stamp_wait(kDispatchRoleRdmaSender, kRdmaSenderBlockedNs, waited);
                 }
                 __syncwarp();
                 stage_token(call.staging_slot(m, p), t0 + l, node_mask<V>(is_token_in_rank, t0 + l, R, m), x,
@@ -471,6 +624,7 @@ __device__ void dispatch_senders(const InternodeCall& call, const int4* x, const
             if (lane == m) tail += __popc(ballot[m]);
     }
     if (warp == 0 && lane < N) call.ring(lane).tail = static_cast<uint64_t>(call.chunks.start(end));
+    if (call.timed() && lane == 0) call.stamp_latest(kDispatchRoleRdmaSender, kRdmaSenderDone);
 }
 
 // A receiving group of a sending block: ring (c, peer -> me) of my NVLink buffer, written by node peer `peer`'s
@@ -496,12 +650,18 @@ __device__ void dispatch_receivers(const InternodeCall& call, const ReceivedRow&
         if (group_thread == 0) {
             int64_t tail = -1;
             if (s_metas[group] < N || head - start < s_expected[group]) {
-                timeout_while(call.peers, WaitSite{"internode_dispatch receiver: NVLink ring tail (forwarder)",
-                                                   call.node * V + peer, c, head + 1},
-                              [&](int64_t& seen) {
-                                  seen = tail = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words.dispatch_tail));
-                                  return tail <= head;
-                              });
+                const uint64_t waited =
+                    profiled_wait(call.peers, WaitSite{"internode_dispatch receiver: NVLink ring tail (forwarder)",
+                                                       call.node * V + peer, c, head + 1},
+                                  [&](int64_t& seen) {
+                                      seen = tail = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words.dispatch_tail));
+                                      return tail <= head;
+                                  });
+                if (call.timed()) {
+                    call.stamp_wait(kDispatchRoleNvlReceiver, kNvlReceiverStarvedNs, waited);
+                    if (head == start) call.stamp_first(kDispatchRoleNvlReceiver, kNvlReceiverFirstTail);
+                    call.stamp_latest(kDispatchRoleNvlReceiver, kNvlReceiverLastTail);
+                }
             }
             s_tail[group] = tail;
         }
@@ -529,6 +689,7 @@ __device__ void dispatch_receivers(const InternodeCall& call, const ReceivedRow&
         head = tail;
         if (group_thread == 0) ptx::st_relaxed_sys_u64(&words.dispatch_head, static_cast<uint64_t>(head));
     }
+    if (call.timed() && group_thread == 0) call.stamp_latest(kDispatchRoleNvlReceiver, kNvlReceiverDone);
 }
 
 // What a forwarding group knows of each source node's stream this call (shared memory, written by its leader).
@@ -579,12 +740,14 @@ __device__ int next_forward_batch(const InternodeCall& call, ForwardStream* stre
                     recv_channel_count[source * C + c] = count;
                 } else {  // the receiver learns the node's start and count from a meta message of its own
                     const int64_t need = nvl_tail + 1 - call.nvl_slots;
-                    timeout_while(call.peers, WaitSite{"internode_dispatch forwarder: NVLink ring room (head)",
-                                                       call.node * V + j, c, need},
-                                  [&](int64_t& seen) {
-                                      seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words->dispatch_head));
-                                      return seen < need;
-                                  });
+                    const uint64_t waited =
+                        profiled_wait(call.peers, WaitSite{"internode_dispatch forwarder: NVLink ring room (head)",
+                                                           call.node * V + j, c, need},
+                                      [&](int64_t& seen) {
+                                          seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words->dispatch_head));
+                                          return seen < need;
+                                      });
+                    call.stamp_wait(kDispatchRoleForwarder, kForwarderBlockedNs, waited);
                     char* out = dest.slot_at(c, call.nvl_rank, nvl_tail % call.nvl_slots);
                     *reinterpret_cast<int4*>(out) = make_int4(start, n, kMsgMeta, count);
                     ++nvl_tail;
@@ -610,14 +773,15 @@ __device__ int next_forward_batch(const InternodeCall& call, ForwardStream* stre
     scan();
     while (found < 0 && waiting >= 0) {
         const int peer = call.rail_peer(waiting);
-        timeout_while(call.peers, WaitSite{"internode_dispatch forwarder: RDMA chunk flag", peer, c,
-                                           streams[waiting].pos + 1},
-                      [&](int64_t& seen) {
-                          waiting = -1;
-                          scan();
-                          seen = waiting >= 0 ? streams[waiting].pos : -1;
-                          return found < 0 && waiting >= 0;
-                      });
+        const uint64_t waited = profiled_wait(call.peers, WaitSite{"internode_dispatch forwarder: RDMA chunk flag",
+                                                                   peer, c, streams[waiting].pos + 1},
+                                              [&](int64_t& seen) {
+                                                  waiting = -1;
+                                                  scan();
+                                                  seen = waiting >= 0 ? streams[waiting].pos : -1;
+                                                  return found < 0 && waiting >= 0;
+                                              });
+        call.stamp_wait(kDispatchRoleForwarder, kForwarderStarvedNs, waited);
     }
     return found;
 }
@@ -643,13 +807,16 @@ __device__ void dispatch_forwarders(const InternodeCall& call, ForwardStream (*s
     int round_robin = 0;
     if (group_thread == 0 && !direct) {
         nvl_tail = static_cast<int64_t>(ptx::ld_volatile_u64(&words->dispatch_tail));  // mine alone to write
-        for (int n = 0; n < N; ++n)  // combine's sub-rings there drained before dispatch reuses the region
-            timeout_while(call.peers, WaitSite{"internode_dispatch forwarder: the NVLink region to drain (combine)",
-                                               call.node * V + j, c, n},
-                          [&](int64_t& seen) {
-                              seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words->combine_head[n]));
-                              return seen != static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words->combine_tail[n]));
-                          });
+        for (int n = 0; n < N; ++n) {  // combine's sub-rings there drained before dispatch reuses the region
+            const uint64_t waited = profiled_wait(
+                call.peers, WaitSite{"internode_dispatch forwarder: the NVLink region to drain (combine)",
+                                     call.node * V + j, c, n},
+                [&](int64_t& seen) {
+                    seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words->combine_head[n]));
+                    return seen != static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words->combine_tail[n]));
+                });
+            call.stamp_wait(kDispatchRoleForwarder, kForwarderBlockedNs, waited);
+        }
         s_nvl_tail[j] = nvl_tail;
     }
     ptx::bar_sync(barrier, kForwardWarps * 32);
@@ -667,6 +834,7 @@ __device__ void dispatch_forwarders(const InternodeCall& call, ForwardStream (*s
     };
     for (int n = next_batch(); n >= 0; n = next_batch()) {
         const int64_t from = s_from[j], to = s_to[j], tail0 = s_nvl_tail[j];
+        if (call.timed() && group_thread == 0) call.stamp_first(kDispatchRoleForwarder, kForwarderFirstChunk);
         ForwardStream& s = streams[j][n];
         const int64_t p = from + lane;
         uint32_t bit = 0;
@@ -679,12 +847,14 @@ __device__ void dispatch_forwarders(const InternodeCall& call, ForwardStream (*s
         }
         if (group_thread == 0 && !direct && count > 0) {
             const int64_t need = tail0 + count - call.nvl_slots;
-            timeout_while(call.peers, WaitSite{"internode_dispatch forwarder: NVLink ring room (head)",
-                                               call.node * V + j, c, need},
-                          [&](int64_t& seen) {
-                              seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words->dispatch_head));
-                              return seen < need;
-                          });
+            const uint64_t waited =
+                profiled_wait(call.peers, WaitSite{"internode_dispatch forwarder: NVLink ring room (head)",
+                                                   call.node * V + j, c, need},
+                              [&](int64_t& seen) {
+                                  seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words->dispatch_head));
+                                  return seen < need;
+                              });
+            call.stamp_wait(kDispatchRoleForwarder, kForwarderBlockedNs, waited);
         }
         ptx::bar_sync(barrier, kForwardWarps * 32);
         int k = 0;
@@ -712,8 +882,10 @@ __device__ void dispatch_forwarders(const InternodeCall& call, ForwardStream (*s
                 ptx::st_release_sys_u64(&words->dispatch_tail, static_cast<uint64_t>(nvl_tail));
             }
             progress[j][n] = to;
+            if (call.timed()) call.stamp_latest(kDispatchRoleForwarder, kForwarderLastForwarded);
         }
     }
+    if (call.timed() && group_thread == 0) call.stamp_latest(kDispatchRoleForwarder, kForwarderDone);
 }
 
 // The coordinator of a forwarding block: for each node's ring, the slowest group's progress goes back to the
@@ -754,7 +926,8 @@ internode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
                    int* recv_src_idx, int64_t* recv_topk_idx, float* recv_topk_weights, int* recv_channel_offset,
                    int* recv_channel_count, int* send_rdma_head, int* recv_rdma_channel, int* send_nvl_head,
                    int num_tokens, int hidden, int num_scales, int num_topk, int num_experts, int expert_cap,
-                   int num_channels, int rdma_slots, int rdma_chunk, int nvl_slots, int num_worst_tokens) {
+                   int num_channels, int rdma_slots, int rdma_chunk, int nvl_slots, int num_worst_tokens,
+                   uint64_t* timeline) {
     constexpr int N = kNumNodes, V = kNumNvlRanks, kNumWarps = kNumThreads / 32;
     static_assert(kDispatchSendWarps + (V - 1) * kDispatchRecvWarps <= kNumWarps, "sending block roles");
     static_assert(V * kForwardWarps + 1 <= kNumWarps, "forwarding block roles");
@@ -764,7 +937,12 @@ internode_dispatch(const PeersTable* peers, ChannelClaims* claims, const int4* x
     ptx::griddepcontrol_wait();
     if (*call_status != 0) return;  // refused: on every rank, before anything moves
     const InternodeCall call(peers, N, V, claimed / 2, num_channels, expert_cap, hidden, num_topk, rdma_slots,
-                             rdma_chunk, nvl_slots);
+                             rdma_chunk, nvl_slots, timeline);
+    if (call.timed() && threadIdx.x == 0) {  // the block's roles begin
+        if (claimed % 2 == 1) call.stamp_start(kDispatchRoleForwarder);
+        else call.stamp_start(kDispatchRoleRdmaSender);
+        if (claimed % 2 == 0 && V > 1) call.stamp_start(kDispatchRoleNvlReceiver);
+    }
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
     const int64_t lo = static_cast<int64_t>(peers->rank) * (num_experts / (N * V));
     const ReceivedRow out{recv_x, recv_x_scales, recv_src_idx, recv_topk_idx, recv_topk_weights,
@@ -832,12 +1010,14 @@ __device__ void combine_nvl_senders(const InternodeCall& call, const int4* y, co
     NvlRing& words = dest.ring_words(c, call.nvl_rank);
     if (group_thread == 0) {  // the region's dispatch ring read to its end before its sub-rings are written
         const int64_t dispatched = static_cast<int64_t>(ptx::ld_volatile_u64(&words.dispatch_tail));
-        timeout_while(call.peers, WaitSite{"internode_combine NVLink sender: the region to drain (dispatch)",
-                                           call.node * V + peer, c, dispatched},
-                      [&](int64_t& seen) {
-                          seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words.dispatch_head));
-                          return seen != dispatched;
-                      });
+        const uint64_t waited =
+            profiled_wait(call.peers, WaitSite{"internode_combine NVLink sender: the region to drain (dispatch)",
+                                               call.node * V + peer, c, dispatched},
+                          [&](int64_t& seen) {
+                              seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words.dispatch_head));
+                              return seen != dispatched;
+                          });
+        call.stamp_wait(kCombineRoleNvlSender, kNvlSenderBlockedNs, waited);
     }
     ptx::bar_sync(barrier, kSendWarps * 32);
     for (int n = 0; n < N; ++n) {
@@ -848,12 +1028,14 @@ __device__ void combine_nvl_senders(const InternodeCall& call, const int4* y, co
             const int rows = min(nvl_chunk, count - done);
             if (group_thread == 0) {
                 const int64_t need = tail + rows - sub_slots;
-                timeout_while(call.peers, WaitSite{"internode_combine NVLink sender: sub-ring room (head)",
-                                                   call.node * V + peer, c, need},
-                              [&](int64_t& seen) {
-                                  seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words.combine_head[n]));
-                                  return seen < need;
-                              });
+                const uint64_t waited =
+                    profiled_wait(call.peers, WaitSite{"internode_combine NVLink sender: sub-ring room (head)",
+                                                       call.node * V + peer, c, need},
+                                  [&](int64_t& seen) {
+                                      seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&words.combine_head[n]));
+                                      return seen < need;
+                                  });
+                call.stamp_wait(kCombineRoleNvlSender, kNvlSenderBlockedNs, waited);
             }
             ptx::bar_sync(barrier, kSendWarps * 32);
             for (int k = warp_in_group; k < rows; k += kSendWarps) {
@@ -867,9 +1049,16 @@ __device__ void combine_nvl_senders(const InternodeCall& call, const int4* y, co
             ptx::bar_sync(barrier, kSendWarps * 32);
             done += rows;
             tail += rows;
-            if (group_thread == 0) ptx::st_release_sys_u64(&words.combine_tail[n], static_cast<uint64_t>(tail));
+            if (group_thread == 0) {
+                ptx::st_release_sys_u64(&words.combine_tail[n], static_cast<uint64_t>(tail));
+                if (call.timed()) {
+                    call.stamp_first(kCombineRoleNvlSender, kNvlSenderFirstChunk);
+                    call.stamp_latest(kCombineRoleNvlSender, kNvlSenderLastChunk);
+                }
+            }
         }
     }
+    if (call.timed() && group_thread == 0) call.stamp_latest(kCombineRoleNvlSender, kNvlSenderDone);
 }
 
 // A reader's sum of token t's bf16 partials (internode_combine): lane m < N holds e (t's index in node m's stream,
@@ -993,17 +1182,19 @@ __device__ void combine_readers(const InternodeCall& call, volatile int (*progre
     channel_range(num_tokens, call.num_channels, c, begin, end);
     for (int t = begin + reader; t < end; t += kNumReaders) {
         const int e = lane < N ? send_rdma_head[static_cast<int64_t>(t) * N + lane] : -1;
+        uint64_t waited = 0;
         if (lane < N && e >= 0) {
             const int64_t pos = base + e;
             const uint64_t* flag = &call.ring(lane).flag[call.chunks.flag(pos)];
-            timeout_while(call.peers, WaitSite{"internode_combine reader: RDMA chunk flag", call.rail_peer(lane), c,
-                                               pos + 1},
-                          [&](int64_t& seen) {
-                              seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(flag));
-                              return seen <= pos;
-                          });
+            waited = profiled_wait(call.peers, WaitSite{"internode_combine reader: RDMA chunk flag",
+                                                        call.rail_peer(lane), c, pos + 1},
+                                   [&](int64_t& seen) {
+                                       seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(flag));
+                                       return seen <= pos;
+                                   });
         }
         __syncwarp();
+        call.stamp_warp_wait(kCombineRoleReader, kReaderStarvedNs, waited, lane);
         if constexpr (kFp8)
             sum_partials_fp8<N>(call, e, base, bias0, bias1, out_x, t, lane);
         else
@@ -1021,9 +1212,14 @@ __device__ void combine_readers(const InternodeCall& call, volatile int (*progre
         }
         __syncwarp();
         if (lane < N) progress[reader][lane] = e >= 0 ? e + 1 : -e - 1;
+        if (call.timed() && lane == 0) {
+            if (t == begin + reader) call.stamp_first(kCombineRoleReader, kReaderFirstToken);
+            if (t + kNumReaders >= end) call.stamp_latest(kCombineRoleReader, kReaderLastToken);
+        }
     }
     __syncwarp();
     if (lane == 0) retired[reader] = 1;
+    if (call.timed() && lane == 0) call.stamp_latest(kCombineRoleReader, kReaderDone);
 }
 
 // The coordinator of a combine sending block: the slowest active reader's position in each node's ring goes back
@@ -1097,17 +1293,19 @@ __device__ void forward_partial(const InternodeCall& call, int n, char* out, con
     const int c = call.channel, me = call.nvl_rank, K = call.num_topk;
     const int row_int4 = call.hidden / 8, sub_slots = call.nvl_slots / N;
     const InternodeNvl mine = call.nvl(me);
+    uint64_t waited = 0;
     if (lane < V && lane != me && receipt >= 0) {
         const uint64_t* tail = &mine.ring_words(c, lane).combine_tail[n];
         const int64_t need = nvl_base + receipt + 1;
-        timeout_while(call.peers, WaitSite{"internode_combine forwarder: NVLink sub-ring tail", call.node * V + lane,
-                                           c, need},
-                      [&](int64_t& seen) {
-                          seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(tail));
-                          return seen < need;
-                      });
+        waited = profiled_wait(call.peers, WaitSite{"internode_combine forwarder: NVLink sub-ring tail",
+                                                    call.node * V + lane, c, need},
+                               [&](int64_t& seen) {
+                                   seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(tail));
+                                   return seen < need;
+                               });
     }
     __syncwarp();
+    call.stamp_warp_wait(kCombineRoleForwarder, kCombineForwarderStarvedNs, waited, lane);
     const int4* rows[V];
     const float* weights[V];
 #pragma unroll
@@ -1163,25 +1361,30 @@ __device__ void combine_forward_node(const InternodeCall& call, int n, const int
     const int64_t last_end = static_cast<int64_t>(ring.tail), base = call.chunks.start(last_end);
     // lane j: where sub-ring n of j's region in my buffer starts this call (mine alone to move)
     const int64_t nvl_base = lane < V ? static_cast<int64_t>(mine.ring_words(c, lane).combine_head[n]) : 0;
-    if (warp_in_group == 0 && lane == 0)
-        timeout_while(call.peers, WaitSite{"internode_combine forwarder: the RDMA ring to drain", call.rail_peer(n), c,
-                                           last_end},
-                      [&](int64_t& seen) {
-                          seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
-                          return seen < last_end;
-                      });
+    if (warp_in_group == 0 && lane == 0) {
+        const uint64_t waited =
+            profiled_wait(call.peers, WaitSite{"internode_combine forwarder: the RDMA ring to drain",
+                                               call.rail_peer(n), c, last_end},
+                          [&](int64_t& seen) {
+                              seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
+                              return seen < last_end;
+                          });
+        call.stamp_wait(kCombineRoleForwarder, kCombineForwarderBlockedNs, waited);
+    }
     ptx::bar_sync(barrier, warps * 32);
     for (int64_t round = 0; round * warps * S < count; ++round) {
         const int64_t k0 = (round * warps + warp_in_group) * S, k1 = min(k0 + S, static_cast<int64_t>(count));
         if (k0 < count) {
             if (lane == 0) {
                 const int64_t need = call.chunks.head_needed(base + k0);
-                timeout_while(call.peers, WaitSite{"internode_combine forwarder: RDMA ring room (head)",
-                                                   call.rail_peer(n), c, need},
-                              [&](int64_t& seen) {
-                                  seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
-                                  return seen < need;
-                              });
+                const uint64_t waited =
+                    profiled_wait(call.peers, WaitSite{"internode_combine forwarder: RDMA ring room (head)",
+                                                       call.rail_peer(n), c, need},
+                                  [&](int64_t& seen) {
+                                      seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
+                                      return seen < need;
+                                  });
+                call.stamp_wait(kCombineRoleForwarder, kCombineForwarderBlockedNs, waited);
             }
             __syncwarp();
             for (int64_t k = k0; k < k1; ++k) {
@@ -1192,6 +1395,10 @@ __device__ void combine_forward_node(const InternodeCall& call, int n, const int
             __syncwarp();
             ptx::fence_acq_rel_gpu();  // the chunk's slots before the put (or flag) that carries them
             put_chunk(call, n, base + k0, base + k1, lane);
+            if (call.timed() && lane == 0) {
+                call.stamp_first(kCombineRoleForwarder, kCombineForwarderFirstPut);
+                call.stamp_latest(kCombineRoleForwarder, kCombineForwarderLastPut);
+            }
         }
         ptx::bar_sync(barrier, warps * 32);
         if (warp_in_group == 0) {  // the sub-rings' heads: what the round's last token consumed of each
@@ -1217,7 +1424,8 @@ __device__ __forceinline__ void combine(const PeersTable* peers, ChannelClaims* 
                                         const int* recv_rdma_channel, const int* send_nvl_head,
                                         const int* dispatch_status, int4* out_x, float* out_topk_weights,
                                         int num_tokens, int hidden, int num_topk, int expert_cap, int num_channels,
-                                        int rdma_slots, int rdma_chunk, int nvl_slots, int nvl_chunk) {
+                                        int rdma_slots, int rdma_chunk, int nvl_slots, int nvl_chunk,
+                                        uint64_t* timeline) {
     constexpr int N = kNumNodes, V = kNumNvlRanks, kNumWarps = kNumThreads / 32;
     constexpr int kSenders = (V - 1) * kCombineSendWarps, kReaders = kNumWarps - kSenders - 1;
     constexpr int kGroupWarps = kNumWarps / kCombineForwardGroups;
@@ -1227,7 +1435,12 @@ __device__ __forceinline__ void combine(const PeersTable* peers, ChannelClaims* 
     const int claimed = claim_channel(claims, peers, 2 * num_channels);
     if (claimed < 0) return;
     const InternodeCall call(peers, N, V, claimed / 2, num_channels, expert_cap, hidden, num_topk, rdma_slots,
-                             rdma_chunk, nvl_slots, kFp8);
+                             rdma_chunk, nvl_slots, timeline, kFp8);
+    if (call.timed() && threadIdx.x == 0) {  // the block's roles begin
+        if (claimed % 2 == 1) call.stamp_start(kCombineRoleForwarder);
+        else call.stamp_start(kCombineRoleReader);
+        if (claimed % 2 == 0 && V > 1) call.stamp_start(kCombineRoleNvlSender);
+    }
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
     if (claimed % 2 == 0) {
         __shared__ volatile int progress[kReaders][N];
@@ -1254,6 +1467,7 @@ __device__ __forceinline__ void combine(const PeersTable* peers, ChannelClaims* 
     for (int n = group; n < N; n += kCombineForwardGroups)
         combine_forward_node<N, V, kFp8>(call, n, y, y_topk_weights, recv_channel_offset, recv_rdma_channel,
                                          send_nvl_head, kGroupWarps, 1 + group, warp % kGroupWarps, lane);
+    if (call.timed() && lane == 0) call.stamp_latest(kCombineRoleForwarder, kCombineForwarderDone);
 }
 
 template <int kNumNodes, int kNumNvlRanks, int kNumThreads, int kDispatchSendWarps, int kDispatchRecvWarps,
@@ -1264,11 +1478,11 @@ internode_combine(const PeersTable* peers, ChannelClaims* claims, const int4* y,
                   const int* recv_channel_count, const int* send_rdma_head, const int* recv_rdma_channel,
                   const int* send_nvl_head, const int* dispatch_status, int4* out_x, float* out_topk_weights,
                   int num_tokens, int hidden, int num_topk, int expert_cap, int num_channels, int rdma_slots,
-                  int rdma_chunk, int nvl_slots, int nvl_chunk) {
+                  int rdma_chunk, int nvl_slots, int nvl_chunk, uint64_t* timeline) {
     combine<kNumNodes, kNumNvlRanks, kNumThreads, kCombineSendWarps, kCombineForwardGroups, false>(
         peers, claims, y, y_topk_weights, bias0, bias1, rdma_channel_prefix, recv_channel_offset, recv_channel_count,
         send_rdma_head, recv_rdma_channel, send_nvl_head, dispatch_status, out_x, out_topk_weights, num_tokens, hidden,
-        num_topk, expert_cap, num_channels, rdma_slots, rdma_chunk, nvl_slots, nvl_chunk);
+        num_topk, expert_cap, num_channels, rdma_slots, rdma_chunk, nvl_slots, nvl_chunk, timeline);
 }
 
 // The FP8 combine (Buffer.combine(..., use_fp8=True) across nodes): a build of its own (InternodeCombineFp8Spec),
@@ -1281,11 +1495,12 @@ internode_combine_fp8(const PeersTable* peers, ChannelClaims* claims, const int4
                       const int* recv_channel_offset, const int* recv_channel_count, const int* send_rdma_head,
                       const int* recv_rdma_channel, const int* send_nvl_head, const int* dispatch_status, int4* out_x,
                       float* out_topk_weights, int num_tokens, int hidden, int num_topk, int expert_cap,
-                      int num_channels, int rdma_slots, int rdma_chunk, int nvl_slots, int nvl_chunk) {
+                      int num_channels, int rdma_slots, int rdma_chunk, int nvl_slots, int nvl_chunk,
+                      uint64_t* timeline) {
     combine<kNumNodes, kNumNvlRanks, kNumThreads, kCombineSendWarps, kCombineForwardGroups, true>(
         peers, claims, y, y_topk_weights, bias0, bias1, rdma_channel_prefix, recv_channel_offset, recv_channel_count,
         send_rdma_head, recv_rdma_channel, send_nvl_head, dispatch_status, out_x, out_topk_weights, num_tokens, hidden,
-        num_topk, expert_cap, num_channels, rdma_slots, rdma_chunk, nvl_slots, nvl_chunk);
+        num_topk, expert_cap, num_channels, rdma_slots, rdma_chunk, nvl_slots, nvl_chunk, timeline);
 }
 
 }  // namespace epjit

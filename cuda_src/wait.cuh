@@ -55,15 +55,20 @@ __device__ __noinline__ void report_timeout(const PeersTable* peers, const WaitS
 
 // Spins while keep_waiting(observed) returns true. keep_waiting performs the (acquire) load itself and stores
 // what it saw in `observed`, so the report carries the last value. The clock is read only every 256 polls:
-// %globaltimer is slow to read and a timeout of seconds needs no finer grain.
-template <typename KeepWaiting>
-__device__ __forceinline__ void timeout_while(const PeersTable* peers, const WaitSite& site,
-                                              KeepWaiting&& keep_waiting) {
+// %globaltimer is slow to read and a timeout of seconds needs no finer grain. Returns the nanoseconds it spun when
+// kTimed (a profile build's waits, e.g. internode.cu's: the clock is read once more, only by a wait that spun), else
+// 0: a wait that is not timed compiles to what it was without the choice.
+template <bool kTimed = false, typename KeepWaiting>
+__device__ __forceinline__ uint64_t timeout_while(const PeersTable* peers, const WaitSite& site,
+                                                  KeepWaiting&& keep_waiting) {
     int64_t observed = 0;
-    if (!keep_waiting(observed)) return;
+    if (!keep_waiting(observed)) return 0;
     const uint64_t start = ptx::globaltimer_ns();
     for (uint32_t polls = 1;; ++polls) {
-        if (!keep_waiting(observed)) return;
+        if (!keep_waiting(observed)) {
+            if constexpr (kTimed) return ptx::globaltimer_ns() - start;
+            return 0;
+        }
         if ((polls & 255u) == 0) {
             const uint64_t elapsed = ptx::globaltimer_ns() - start;
             if (elapsed > peers->timeout_ns) report_timeout(peers, site, observed, elapsed);

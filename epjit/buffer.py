@@ -41,7 +41,7 @@ from .ops.layout import DispatchLayout
 from .ops.loader import load
 from .ops.low_latency import LowLatencyCombineResult, LowLatencyDispatchResult, LowLatencyHandle
 from .ops.normal import CombineResult, DispatchHandle, DispatchResult
-from .ops.profile import Profile
+from .ops.profile import Profile, RoleSummary
 from .ops.streams import Event, Outputs, Streams
 
 
@@ -211,6 +211,12 @@ class Buffer:
         """The last call's stamps block by block (needs EPJIT_PROFILE=1): per kernel, one row a block with its SM
         id and its channel (-1: none), then its points in microseconds from the first block's start."""
         return self._profile.blocks()
+
+    def profile_roles(self) -> list[RoleSummary]:
+        """The last call's kernels role by role (needs EPJIT_PROFILE=1; across nodes dispatch and combine stamp a
+        row a (channel, role)): for each role, when it started, first and last worked and was done, its channels'
+        active time and what its waiters waited, in microseconds (epjit.ops.profile.RoleSummary)."""
+        return self._profile.roles()
 
     @property
     def low_latency_num_sms(self) -> int:

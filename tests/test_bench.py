@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from epjit import bench
-from epjit.bench import cli, normal, peers, protocol, report
+from epjit.bench import cli, normal, peers, protocol, report, roles
 from epjit.bench.kernels import PUT_CEILING_HEADER_BYTES, PutCeilingSpec, bench_specs, put_ceiling_heap_bytes
 from epjit.kernels import cuda_sources
 
@@ -254,6 +254,34 @@ def test_rdma_pairs_leave_each_rank_once_each_way():
     assert combine == [1, 3, 7, 2]  # rank 0 returns rank 2's tokens for node 0; rank 2 returns rank 0's for node 1
     assert sum(dispatch) == sum(combine)
     assert [bench.rdma_pairs_out("dispatch", [[11]], 0, 1)] == [0]  # one node: nothing crosses
+
+
+def test_role_bytes_of_two_nodes_of_two():
+    """What each role of rank 0 (node 0, rank 0 of it) moves: send[s][d] rows rank s sends rank d, nodes[s][m]
+    tokens of rank s for node m. Its forwarder takes the streams of rail peers 0 and 2 for node 0; its NVLink
+    receivers get what ranks 1 and 3 send it through rank 1's forwarder; combine runs the same rows backwards."""
+    send = [[3, 4, 5, 6], [1, 2, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]]
+    nodes = [[5, 7], [4, 2], [1, 9], [3, 6]]
+    dispatch = roles.role_bytes("dispatch", 0, 2, send, nodes, 100)
+    assert dispatch["rdma_sender"] == roles.RoleBytes(12, 1200)  # 5 tokens in place, 7 put to node 1
+    assert dispatch["forwarder"] == roles.RoleBytes(3 + 4 + 9 + 10, 2600)  # sources 0 and 2, destinations 0 and 1
+    assert dispatch["nvl_receiver"] == roles.RoleBytes(1 + 13, 1400)  # sources 1 and 3, to rank 0
+    combine = roles.role_bytes("combine", 0, 2, send, nodes, 50, num_tokens=20, out_row_bytes=10)
+    assert combine["nvl_sender"] == roles.RoleBytes(14, 700)
+    assert combine["forwarder"] == roles.RoleBytes(5 + 1, 300)  # a partial a token forwarded to node 0
+    assert combine["reader"] == roles.RoleBytes(12, 200)  # its partials; out_x of its 20 tokens
+    assert roles.role_bytes("dispatch", 3, 2, send, nodes, 1)["forwarder"].rows == 7 + 8 + 15 + 16  # 1, 3 to 2, 3
+
+
+def test_role_table_lines():
+    from epjit.ops.profile import RoleSummary
+
+    summaries = [RoleSummary("dispatch", "rdma_sender", 12, 18, 0.0, 3.0, 900.0, 910.0, 880.0, 905.0, -1.0, 300.0),
+                 RoleSummary("dispatch", "forwarder", 12, 2, 1.0, 20.0, 950.0, 955.0, 930.0, 950.0, 400.0, 10.0)]
+    lines = roles.role_table(summaries, {"rdma_sender": roles.RoleBytes(1000, 910_000_000)})
+    assert len(lines) == 3 and lines[0].split()[:2] == ["role", "ch"]
+    assert lines[1].split()[-1] == "1000.0" and lines[1].split()[7] == "-"  # 910 MB in 910 µs; never starved
+    assert lines[2].split()[-3:] == ["-", "-", "-"] and lines[2].split()[9] == "520.0"  # busy: 930 - 400 - 10
 
 
 def test_rdma_pairs_of_a_random_routing_match_the_layout_count():

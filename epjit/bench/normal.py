@@ -11,6 +11,7 @@ from ..config import Config, get_combine_config, get_dispatch_config
 from .peers import DeepEPPeer, nccl_case_us
 from .protocol import median_us, routing, start_together
 from .report import PLAIN_STORE_CEILING_GBS, Row, print_row, slowest, with_deepep
+from .roles import RoleBytes, role_bytes, role_table
 
 # Normal-mode modes: the operation (dispatch, dispatch-fp8, combine), or a dispatch made another way: "layout-": with
 # get_dispatch_layout inside the timed call (as a user calls it on a fresh routing), "cached-": replaying the handle
@@ -182,9 +183,9 @@ def _case_input(mode: str, tokens: int, hidden: int) -> tuple[Any, int]:
     return (xq.to(torch.float8_e4m3fn), scales.contiguous()), hidden + hidden // 128 * 4
 
 
-def _rdma_pairs(group: Any, layout: Any, idx: Any, mode: str, num_experts: int) -> tuple[int, int]:
-    """(pairs whose messages leave this rank, pairs of all ranks) on the RDMA leg, from the routing on the host;
-    a layout's own per-node counts that disagree are reported."""
+def _rdma_pairs(group: Any, layout: Any, idx: Any, mode: str, num_experts: int) -> tuple[int, int, list[list[int]]]:
+    """(pairs whose messages leave this rank, pairs of all ranks) on the RDMA leg, from the routing on the host, and
+    every rank's tokens bound for each node; a layout's own per-node counts that disagree are reported."""
     r, v = group.size, group.num_nvl_ranks
     counts = tokens_per_node(idx.cpu().numpy(), num_experts, r, v)
     per_node = getattr(layout, "num_tokens_per_rdma_rank", None)
@@ -193,11 +194,13 @@ def _rdma_pairs(group: Any, layout: Any, idx: Any, mode: str, num_experts: int) 
               f"sends {counts} tokens to each node", flush=True)
     all_counts = group.allgather_object(counts)
     return (rdma_pairs_out(mode, all_counts, group.rank, v),
-            sum(rdma_pairs_out(mode, all_counts, rank, v) for rank in range(r)))
+            sum(rdma_pairs_out(mode, all_counts, rank, v) for rank in range(r)), all_counts)
 
 
-def _profile_case(buf: Any, group: Any, op: Any, mode: str, tokens: int, hidden: int, cfg: Any) -> None:
-    """Three calls of a case with EPJIT_PROFILE's marks and every rank's per-block stamps printed."""
+def _profile_case(buf: Any, group: Any, op: Any, mode: str, tokens: int, hidden: int, cfg: Any,
+                  moved: dict[str, RoleBytes] | None = None) -> None:
+    """Three calls of a case with EPJIT_PROFILE's marks and every rank's per-block stamps printed; across nodes
+    (``moved``: what each role of this rank moves a call) each rank's role table of the last call too."""
     for _ in range(3):
         start_together(group)  # as in the timed runs: the host's launches hidden behind the spin
         op()
@@ -207,6 +210,23 @@ def _profile_case(buf: Any, group: Any, op: Any, mode: str, tokens: int, hidden:
         for name, rows in buf.profile_blocks().items():  # every rank's: a channel's two ends are on two ranks
             print(f"  blocks {mode} {name} (sm, channel, points...): {sorted(rows, key=lambda b: b[1])}",
                   flush=True)
+    summaries = buf.profile_roles()
+    if moved is not None and summaries:
+        lines = "\n".join(f"    {line}" for line in role_table(summaries, moved))
+        print(f"  roles {mode} rank {group.rank} (µs from the kernel's start; waits a waiter's):\n{lines}", flush=True)
+
+
+def _moved(operation: str, mode: str, group: Any, send_counts: list[list[int]], node_counts: list[list[int]],
+           tokens: int, hidden: int, topk: int) -> dict[str, RoleBytes]:
+    """What each role of this rank's internode kernel moves a call (epjit.bench.roles), by the case's sizes:
+    combine-fp8's forwarders put FP8 partials (e4m3, a float32 scale a 128 channels, the weights)."""
+    message = rdma_message_bytes(operation, hidden, topk)
+    moved = role_bytes(operation, group.rank, group.num_nvl_ranks, send_counts, node_counts, message, tokens,
+                       2 * hidden + 4 * topk)
+    if mode == "combine-fp8":
+        partial = moved["forwarder"].rows
+        moved["forwarder"] = RoleBytes(partial, partial * (hidden + hidden // 32 + 4 * topk))
+    return moved
 
 
 def _epjit_call(buf: Any, mode: str, x: Any, idx: Any, w: Any, layout: Any, d: Any, cfg: Any,
@@ -249,19 +269,22 @@ def _bench_case(buf: Any, group: Any, dist: Any, mode: str, tokens: int, hidden:
     layout = buf.get_dispatch_layout(idx, args.experts)
     d = buf.dispatch(x_arg, topk_idx=idx, topk_weights=w, layout=layout, config=cfg)
     send_counts = layout.num_tokens_per_rank.cpu().tolist()
-    recv_counts = [int(c[rank]) for c in group.allgather_object(send_counts)]
+    all_send = group.allgather_object(send_counts)
+    recv_counts = [int(c[rank]) for c in all_send]
     recv_rows = sum(recv_counts)
     op = _epjit_call(buf, mode, x_arg, idx, w, layout, d, cfg, args.experts)
     if operation == "combine":
         out_rows = recv_rows - recv_counts[rank]  # rows going back to other ranks
     else:
         out_rows = sum(send_counts) - send_counts[rank]
-    rdma_out, rdma_all = _rdma_pairs(group, layout, idx, operation, args.experts) if internode else (0, 0)
+    rdma_out, rdma_all, node_counts = _rdma_pairs(group, layout, idx, operation, args.experts) if internode \
+        else (0, 0, [])
     t_epjit = median_us(op, group, args.repeat)
     if mode == "combine-fp8":
         _print_fp8_combine_error(buf, group, d, cfg)
     if args.profile:
-        _profile_case(buf, group, op, mode, tokens, hidden, cfg)
+        moved = _moved(operation, mode, group, all_send, node_counts, tokens, hidden, args.topk) if internode else None
+        _profile_case(buf, group, op, mode, tokens, hidden, cfg, moved)
     nccl_us = None if args.no_nccl else nccl_case_us(dist, group, operation, row_bytes, send_counts, recv_counts,
                                                      args.repeat)
     deepep_us = None if peer is None or mode == "combine-fp8" else peer.normal_us(  # (DeepEP has no FP8 combine)

@@ -20,6 +20,7 @@ from .internode import (
     by_stores,
     internode_combine_fp8_spec,
     internode_spec,
+    profile_spec,
 )
 from .intranode import (
     IntranodeCombineFp8Spec,
@@ -65,6 +66,7 @@ __all__ = [
     "cuda_sources",
     "internode_combine_fp8_spec",
     "internode_spec",
+    "profile_spec",
     "intranode_spec",
     "jit_config",
     "kernel_set",
@@ -117,5 +119,7 @@ def check_specs() -> list[KernelSpec]:
     for nodes, nvl_ranks in ((2, 1), (4, 1), (2, 2), (2, 4), (4, 2)):
         spec = internode_spec(nodes, nvl_ranks)
         family = [InternodeNotifySpec(nodes, nvl_ranks), spec, internode_combine_fp8_spec(spec)]
-        specs += family + [by_stores(s) for s in family]
+        builds = family + [by_stores(s) for s in family]
+        # and each again in its profile build (a Buffer made with EPJIT_PROFILE=1 loads it)
+        specs += builds + [profile_spec(s) for s in builds]
     return specs

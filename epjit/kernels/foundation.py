@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..jit.spec import KernelSpec
 
@@ -10,6 +11,17 @@ PEERS = ("peers", "const PeersTable*")
 TIMELINE_SLOTS = 8  # kTimelineSlots of cuda_src/timeline.cuh: EPJIT_PROFILE stamps per block
 TIMELINE_SM_SLOT = TIMELINE_SLOTS - 1  # kTimelineSmSlot: the block's SM id + 1
 TIMELINE_TAG_SLOT = TIMELINE_SLOTS - 2  # kTimelineTagSlot: its channel + 1, for kernels with fewer points
+TIMELINE_ROLE_TAG_STRIDE = 256  # kTimelineRoleTagStride: a role row's tag is role * 256 + channel (+ 1)
+
+
+class TimelineRole(NamedTuple):
+    """One role of a kernel that stamps a row a (channel, role) (timeline.cuh's timeline_row_*, e.g. internode.cu):
+    its name, its points in slot order (a name ending in ``_ns`` sums the nanoseconds its waiters spun, not a
+    moment) and its waiters a channel (the warps or group leaders whose waits a row sums)."""
+
+    name: str
+    points: tuple[str, ...]
+    waiters: int
 
 
 @dataclass(frozen=True)

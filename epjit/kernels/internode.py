@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 
 from ..jit.spec import KernelSpec
+from .foundation import TimelineRole
 from .intranode import CLAIMS, PEERS
 
 NUM_THREADS = 768  # 24 warps a block, as intranode's
@@ -18,6 +20,23 @@ NVL_RING_BYTES = 528  # sizeof(NvlRing): dispatch tail, head, combine tail[32], 
 HEAP_RINGS_OFFSET = 2 * MAX_NODES * 8 + 128  # kHeapRingsOffset: notify signals, the epoch
 EXPERT_CAP = 4096  # notify areas hold this many experts' counts, or the Buffer's num_experts if larger
 DISPATCH_BATCH = 32  # messages a forwarding group takes at once (and senders stage at once)
+TIMELINE = ("timeline", "uint64_t*")  # EPJIT_PROFILE's stamps (0: none; only the profile build reads it)
+
+# EPJIT_PROFILE: cuda_src/internode.cu's enums, in order. Notify stamps a row a block (InternodeNotifyPoint);
+# dispatch and combine a row a (channel, role), the roles in DispatchRole / CombineRole order, each with its points
+# (RdmaSenderPoint, ...): a point ending in _ns sums the nanoseconds the role's waiters spun, starved (for what it
+# consumes) or blocked (for room where it produces).
+NOTIFY_TIMELINE_POINTS = ("start", "sent", "rail", "folded", "node", "end")
+DISPATCH_ROLE_POINTS = {
+    "rdma_sender": ("start", "first_put", "last_put", "done", "blocked_ns"),
+    "nvl_receiver": ("start", "first_tail", "last_tail", "done", "starved_ns"),
+    "forwarder": ("start", "first_chunk", "last_forwarded", "done", "starved_ns", "blocked_ns"),
+}
+COMBINE_ROLE_POINTS = {
+    "nvl_sender": ("start", "first_chunk", "last_chunk", "done", "blocked_ns"),
+    "forwarder": ("start", "first_put", "last_put", "done", "starved_ns", "blocked_ns"),
+    "reader": ("start", "first_token", "last_token", "done", "starved_ns"),
+}
 
 
 @dataclass(frozen=True)
@@ -38,7 +57,7 @@ class InternodeNotifySpec(KernelSpec):
             ("fwd_capacity", "int"), ("config_tag", "int"), ("layout_fits", "int"), ("invalid_ids", "const int*"),
             ("saved_counts", "int*"), ("channel_prefix_matrix", "int*"), ("rdma_channel_prefix", "int*"),
             ("recv_rank_prefix", "int*"), ("fwd_node_prefix", "int*"), ("host_out", "int*"),
-            ("call_status", "int*")),
+            ("call_status", "int*"), TIMELINE),
     }
 
     def __post_init__(self) -> None:
@@ -78,7 +97,7 @@ class InternodeSpec(KernelSpec):
             ("send_rdma_head", "int*"), ("recv_rdma_channel", "int*"), ("send_nvl_head", "int*"),
             ("num_tokens", "int"), ("hidden", "int"), ("num_scales", "int"), ("num_topk", "int"),
             ("num_experts", "int"), ("expert_cap", "int"), ("num_channels", "int"), ("rdma_slots", "int"),
-            ("rdma_chunk", "int"), ("nvl_slots", "int"), ("num_worst_tokens", "int")),
+            ("rdma_chunk", "int"), ("nvl_slots", "int"), ("num_worst_tokens", "int"), TIMELINE),
         "internode_combine": (
             PEERS, CLAIMS, ("y", "const int4*"), ("y_topk_weights", "const float*"), ("bias0", "const int4*"),
             ("bias1", "const int4*"), ("rdma_channel_prefix", "const int*"), ("recv_channel_offset", "const int*"),
@@ -86,7 +105,7 @@ class InternodeSpec(KernelSpec):
             ("recv_rdma_channel", "const int*"), ("send_nvl_head", "const int*"), ("dispatch_status", "const int*"),
             ("out_x", "int4*"), ("out_topk_weights", "float*"), ("num_tokens", "int"), ("hidden", "int"),
             ("num_topk", "int"), ("expert_cap", "int"), ("num_channels", "int"), ("rdma_slots", "int"),
-            ("rdma_chunk", "int"), ("nvl_slots", "int"), ("nvl_chunk", "int")),
+            ("rdma_chunk", "int"), ("nvl_slots", "int"), ("nvl_chunk", "int"), TIMELINE),
     }
     PROGRAMMATIC = frozenset({"internode_dispatch"})
 
@@ -181,6 +200,95 @@ def by_stores(spec: InternodeNotifySpec | InternodeSpec | InternodeCombineFp8Spe
     """The same kernels at the same instantiation, built with the RDMA leg as NVLink stores."""
     stores = next(stores for family, stores in _STORES.items() if isinstance(spec, family))
     return stores(**{f.name: getattr(spec, f.name) for f in fields(spec)})
+
+
+# The profile build (a Buffer made with EPJIT_PROFILE=1): each build again with EPJIT_INTERNODE_PROFILE, the only one
+# whose kernels stamp the timeline they take (and time their waits). A build of its own, so the production kernels
+# ignore the argument and are the code they were without stamps (cuda_src/internode.cu: kInternodeProfile).
+PROFILE = "EPJIT_INTERNODE_PROFILE"
+
+
+@dataclass(frozen=True)
+class InternodeNotifyProfileSpec(InternodeNotifySpec):
+    """InternodeNotifySpec's profile build (EPJIT_INTERNODE_PROFILE)."""
+
+    DEFINES = (PROFILE,)
+    BUILD = "internode_profile"
+
+
+@dataclass(frozen=True)
+class InternodeProfileSpec(InternodeSpec):
+    """InternodeSpec's profile build (EPJIT_INTERNODE_PROFILE)."""
+
+    DEFINES = (PROFILE,)
+    BUILD = "internode_profile"
+
+
+@dataclass(frozen=True)
+class InternodeCombineFp8ProfileSpec(InternodeCombineFp8Spec):
+    """InternodeCombineFp8Spec's profile build (EPJIT_INTERNODE_PROFILE)."""
+
+    DEFINES = (PROFILE,)
+    BUILD = "internode_combine_fp8_profile"
+
+
+@dataclass(frozen=True)
+class InternodeNotifyStoresProfileSpec(InternodeNotifyStoresSpec):
+    """InternodeNotifyStoresSpec's profile build (EPJIT_INTERNODE_PROFILE)."""
+
+    DEFINES = ("EPJIT_RDMA_BY_STORES", PROFILE)
+    BUILD = "internode_stores_profile"
+
+
+@dataclass(frozen=True)
+class InternodeStoresProfileSpec(InternodeStoresSpec):
+    """InternodeStoresSpec's profile build (EPJIT_INTERNODE_PROFILE)."""
+
+    DEFINES = ("EPJIT_RDMA_BY_STORES", PROFILE)
+    BUILD = "internode_stores_profile"
+
+
+@dataclass(frozen=True)
+class InternodeCombineFp8StoresProfileSpec(InternodeCombineFp8StoresSpec):
+    """InternodeCombineFp8StoresSpec's profile build (EPJIT_INTERNODE_PROFILE)."""
+
+    DEFINES = ("EPJIT_RDMA_BY_STORES", PROFILE)
+    BUILD = "internode_combine_fp8_stores_profile"
+
+
+PROFILE_BUILDS: dict[type, type] = {
+    InternodeNotifySpec: InternodeNotifyProfileSpec,
+    InternodeSpec: InternodeProfileSpec,
+    InternodeCombineFp8Spec: InternodeCombineFp8ProfileSpec,
+    InternodeNotifyStoresSpec: InternodeNotifyStoresProfileSpec,
+    InternodeStoresSpec: InternodeStoresProfileSpec,
+    InternodeCombineFp8StoresSpec: InternodeCombineFp8StoresProfileSpec,
+}
+
+
+def profile_spec(spec: InternodeNotifySpec | InternodeSpec | InternodeCombineFp8Spec) -> KernelSpec:
+    """The same kernels at the same instantiation (and RDMA leg) in the profile build; a profile build is returned
+    as it is."""
+    build = PROFILE_BUILDS.get(type(spec))
+    return spec if build is None else build(**{f.name: getattr(spec, f.name) for f in fields(spec)})
+
+
+@functools.cache
+def timeline_roles(spec: InternodeSpec | InternodeCombineFp8Spec, kernel: str) -> tuple[TimelineRole, ...]:
+    """EPJIT_PROFILE's rows of a channel of ``kernel`` (internode_dispatch, or a combine) built from ``spec``: its
+    roles in the kernel's order, with their waiters a channel (internode.cu's stamp_wait sites: a dispatch sender
+    warp, a receiver or forwarding group's leader; a combine sender group's leader, a forwarding or reading warp)."""
+    warps, peers = spec.num_threads // 32, spec.num_nvl_ranks - 1
+    if kernel == "internode_dispatch":
+        assert isinstance(spec, InternodeSpec)
+        points = DISPATCH_ROLE_POINTS
+        waiters = {"rdma_sender": spec.dispatch_send_warps, "nvl_receiver": peers, "forwarder": spec.num_nvl_ranks}
+    else:
+        groups = spec.combine_forward_groups
+        points = COMBINE_ROLE_POINTS
+        waiters = {"nvl_sender": peers, "forwarder": groups * (warps // groups),
+                   "reader": warps - peers * spec.combine_send_warps - 1}
+    return tuple(TimelineRole(name, role_points, waiters[name]) for name, role_points in points.items())
 
 
 def check_topology(num_nodes: int, num_nvl_ranks: int) -> None:

@@ -24,13 +24,16 @@ from typing import Any
 
 from ..arrays import address
 from ..config import Config
-from ..jit import Module
+from ..jit import KernelArgs, KernelSpec, Module
 from ..kernels.internode import (
+    NOTIFY_TIMELINE_POINTS,
     NUM_THREADS,
     InternodeCombineFp8Spec,
     InternodeNotifySpec,
     InternodeSpec,
     by_stores,
+    profile_spec,
+    timeline_roles,
 )
 from ..kernels.intranode import META_INTS
 from ..memory import IpcHeap, PeerMemory
@@ -124,12 +127,18 @@ class Internode(Intranode):
         super().__init__(mem, streams, outputs, profile, device, num_experts)
         self.forward_estimate = RowEstimate(self.num_nodes)  # tokens this rank forwards, by the same rule as rows
 
-    def _notify_spec(self) -> InternodeNotifySpec:
-        spec = InternodeNotifySpec(self.num_nodes, self.num_nvl_ranks)
-        return by_stores(spec) if self.by_stores else spec
+    def _notify_spec(self) -> KernelSpec:
+        return self._build(InternodeNotifySpec(self.num_nodes, self.num_nvl_ranks))
 
     def module(self, spec: InternodeSpec | InternodeCombineFp8Spec) -> Module:
-        return super().module(by_stores(spec) if self.by_stores else spec)
+        return super().module(self._build(spec))
+
+    def _build(self, spec: InternodeNotifySpec | InternodeSpec | InternodeCombineFp8Spec) -> KernelSpec:
+        """The build of ``spec`` this Buffer runs: with the RDMA leg as stores on IPC memory; with EPJIT_PROFILE=1
+        (read when the Buffer was made) the profile build, the only one that stamps its timeline (the production
+        kernels take the argument and ignore it: they are the code they were without stamps)."""
+        build = by_stores(spec) if self.by_stores else spec
+        return profile_spec(build) if self.profile.enabled else build
 
     # ---------------------------------------------------------------------------------------------------- plans
 
@@ -141,12 +150,13 @@ class Internode(Intranode):
         notify = self.notify_module.spec.args(
             "internode_notify", peers=table, num_tokens=s.num_tokens, num_channels=channels, hidden=s.hidden,
             num_topk=s.num_topk, num_experts=s.num_experts, expert_cap=self.expert_cap,
-            expert_alignment=s.expert_alignment, config_tag=config_tag(config), layout_fits=1)
+            expert_alignment=s.expert_alignment, config_tag=config_tag(config), layout_fits=1, timeline=0)
         dispatch = module.spec.args(
             "internode_dispatch", peers=table, claims=self.claims[0], num_tokens=s.num_tokens, hidden=s.hidden,
             num_scales=s.hidden // 128 if s.fp8 else 0, num_topk=s.num_topk, num_experts=s.num_experts,
             expert_cap=self.expert_cap, num_channels=channels, rdma_slots=config.rdma_chunk_recv,
-            rdma_chunk=config.rdma_chunk_send, nvl_slots=config.nvl_chunk_recv, num_worst_tokens=s.num_worst_tokens)
+            rdma_chunk=config.rdma_chunk_send, nvl_slots=config.nvl_chunk_recv, num_worst_tokens=s.num_worst_tokens,
+            timeline=0)
         # num_channels: the Config's SMs, as intranode's (combine's configs are checked against it); the kernels
         # run num_sms / 2 channels of two blocks each.
         return self._plan(s, config.num_sms, notify, dispatch, module)
@@ -160,7 +170,8 @@ class Internode(Intranode):
             kernel, peers=self.mem.table_ptr, claims=self.claims[1], num_tokens=handle.num_tokens,
             hidden=handle.hidden, num_topk=handle.num_topk, expert_cap=self.expert_cap,
             num_channels=handle.num_channels // 2, rdma_slots=config.rdma_chunk_recv,
-            rdma_chunk=config.rdma_chunk_send, nvl_slots=config.nvl_chunk_recv, nvl_chunk=config.nvl_chunk_send)
+            rdma_chunk=config.rdma_chunk_send, nvl_slots=config.nvl_chunk_recv, nvl_chunk=config.nvl_chunk_send,
+            timeline=0)
         return self._combine_plan(framework, kind, handle, with_weights, args, module)
 
     # ---------------------------------------------------------------------------------------------------- dispatch
@@ -227,6 +238,9 @@ class Internode(Intranode):
             rdma_channel_prefix=p["rdma_channel_prefix"], recv_rank_prefix=p["recv_rank_prefix"],
             fwd_node_prefix=p["fwd_node_prefix"], call_status=p["status"],
             saved_counts=0 if replay else p["saved_counts"])
+        if self.profile.enabled:  # (off: the plans' timelines stay 0, no stamps)
+            notify.set(timeline=self.profile.timeline("notify", 1 + self.num_ranks + self.num_nodes,
+                                                      NOTIFY_TIMELINE_POINTS))
         self.notify_module.launch(notify, 1 + self.num_ranks + self.num_nodes, NOTIFY_THREADS, stream=comm)
         dispatch = plan.dispatch_args.set(
             channel_prefix_matrix=p["channel_prefix_matrix"], rdma_channel_prefix=p["rdma_channel_prefix"],
@@ -236,6 +250,9 @@ class Internode(Intranode):
             recv_channel_offset=p["recv_channel_offset"], recv_channel_count=p["recv_channel_count"],
             send_rdma_head=p["send_rdma_head"], recv_rdma_channel=p["recv_rdma_channel"],
             send_nvl_head=p["send_nvl_head"])
+        if self.profile.enabled:
+            dispatch.set(timeline=self.profile.role_timeline(
+                "dispatch", dispatch["num_channels"], timeline_roles(dispatch.spec, "internode_dispatch")))
         plan.module.launch(dispatch, grid, NUM_THREADS, stream=comm)
 
     def _after_counts(self, plan: DispatchPlan, record: list[int], handle: DispatchHandle | None,
@@ -245,6 +262,11 @@ class Internode(Intranode):
         return record[expert_counts_at(self.num_ranks, True):]
 
     # ---------------------------------------------------------------------------------------------------- combine
+
+    def _combine_timeline(self, args: KernelArgs, plan: CombinePlan) -> None:
+        """EPJIT_PROFILE: stamps for this combine launch, a row a (channel, role)."""
+        args.set(timeline=self.profile.role_timeline("combine", args["num_channels"],
+                                                     timeline_roles(args.spec, args.kernel)))
 
     @staticmethod
     def _handle_args(handle: DispatchHandle) -> dict[str, int]:

@@ -401,8 +401,7 @@ class Intranode:
         if profile.enabled:
             profile.start()
             profile.mark("validated", streams.comm)
-            if "timeline" in args.spec.KERNELS[args.kernel][-1]:  # (the internode kernels stamp no timeline)
-                args.set(timeline=profile.timeline("combine", plan.grid, TIMELINE_POINTS))
+            self._combine_timeline(args, plan)
         plan.module.launch(args, plan.grid, NUM_THREADS, stream=streams.comm_ptr)
         if profile.enabled:
             profile.mark("combine", streams.comm)
@@ -417,6 +416,10 @@ class Intranode:
             profile.mark("returned")
         return result
 
+
+    def _combine_timeline(self, args: jit.KernelArgs, plan: CombinePlan) -> None:
+        """EPJIT_PROFILE: stamps for this combine launch (a row a block)."""
+        args.set(timeline=self.profile.timeline("combine", plan.grid, TIMELINE_POINTS))
 
     @staticmethod
     def _handle_args(handle: DispatchHandle) -> dict[str, int]:
