@@ -139,7 +139,7 @@ def run(args) -> dict:  # noqa: ANN001
             cases.append({"case": f"{name}_jit_eq_eager", "ok": bad == 0, "mismatched_steps": bad,
                           "steps": args.steps})
         cases += check_reference(group, first, e, worst)
-        cases.append(check_gradients(jax, jnp, ej, buf, rank, e, worst))
+        cases.append(check_gradients(jax, jnp, ej, buf, group, e, worst))
         timing = time_calls(jax, jnp, ej, buf, group, e, args.repeat)
         return {"cases": cases, "timing": timing, "loop_s": round(loop_s, 2)}
     finally:
@@ -177,9 +177,13 @@ def check_reference(group, first, e, worst) -> list[dict]:  # noqa: ANN001
     return out
 
 
-def check_gradients(jax, jnp, ej, buf, rank, e, worst) -> dict:  # noqa: ANN001
+def check_gradients(jax, jnp, ej, buf, group, e, worst) -> dict:  # noqa: ANN001
     """The normal-mode layer's gradients in x, the gate weights and an expert scale, jitted, against the dense layer
-    (every expert applied where the token is)."""
+    (every expert applied where the token is). x and the weights are the rank's own tokens': their gradients
+    compare rank by rank. The scale is the experts' parameter: each rank's scales its own experts and gets the
+    gradient of every rank's loss through them, while the dense layer's on each rank scales every expert for that
+    rank's tokens; so the scale's gradients compare summed over the ranks (the whole loss's)."""
+    rank = group.rank
     x, idx, w = routing(jnp, jax, 12345, rank, M // 2, e)
     proj = jnp.linspace(-1.0, 1.0, H, dtype=jnp.float32)
 
@@ -201,8 +205,9 @@ def check_gradients(jax, jnp, ej, buf, rank, e, worst) -> dict:  # noqa: ANN001
 
     got = jax.jit(jax.grad(layer, argnums=(0, 1, 2)))(x, w, 1.0)
     want = jax.grad(dense, argnums=(0, 1, 2))(x, w, 1.0)
-    diffs = [float(reference.calc_diff(np.asarray(g, np.float32), np.asarray(v, np.float32)))
-             for g, v in zip(got, want, strict=True)]
+    got, want = [np.asarray(g, np.float32) for g in got], [np.asarray(v, np.float32) for v in want]
+    got[2], want[2] = (np.sum(group.allgather_object(v), axis=0) for v in (got[2], want[2]))
+    diffs = [float(reference.calc_diff(g, v)) for g, v in zip(got, want, strict=True)]
     # the low-latency dispatch's backward (a combine with unit weights): each token gets its slots' count
     g = jax.jit(jax.grad(lambda x: ej.low_latency_dispatch(buf, x, idx, use_fp8=False).x.astype(jnp.float32)
                          .sum()))(x)
