@@ -411,6 +411,10 @@ class PeerMemory:
             raise SetupError(with_rank(f"{group.size} ranks > {MAX_RANKS} supported"))
         import cupy
 
+        # The rank's GPU the calling thread's current device again, since every allocation below goes to the
+        # current device: what ran since epjit.init() bound it may have made another current (JAX's client makes a
+        # context on every GPU it sees).
+        cupy.cuda.Device(group.device).use()
         t0 = time.perf_counter()
         nvl = sym = record = None
         try:

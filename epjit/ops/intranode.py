@@ -195,7 +195,7 @@ class Intranode:
         for shape in shapes:
             offsets.append(total)
             total += (math.prod(shape) + 63) // 64 * 64  # 256-byte aligned parts
-        with self.streams.comm:
+        with cupy.cuda.Device(self.device), self.streams.comm:  # (the current device may be another GPU's)
             owner = cupy.empty(max(total, 1), dtype=cupy.int32)
             if self.outputs.poison:
                 owner.view(cupy.uint8).fill(POISON_BYTE)

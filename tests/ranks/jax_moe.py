@@ -56,6 +56,10 @@ def run(args) -> dict:  # noqa: ANN001
     import cupy
     import jax.numpy as jnp
 
+    # JAX's client makes a context on every GPU and may leave another GPU current than the one epjit.init() bound;
+    # the Buffer binds its own again (reported, to see it happen)
+    current_after_jax = cupy.cuda.runtime.getDevice()
+
     import epjit.jax as ej
 
     r, rank = group.size, group.rank
@@ -141,7 +145,8 @@ def run(args) -> dict:  # noqa: ANN001
         cases += check_reference(group, first, e, worst)
         cases.append(check_gradients(jax, jnp, ej, buf, group, e, worst))
         timing = time_calls(jax, jnp, ej, buf, group, e, args.repeat)
-        return {"cases": cases, "timing": timing, "loop_s": round(loop_s, 2)}
+        return {"cases": cases, "timing": timing, "loop_s": round(loop_s, 2), "device": group.device,
+                "current_after_jax": current_after_jax}
     finally:
         buf.close()
 
