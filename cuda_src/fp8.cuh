@@ -25,6 +25,22 @@ __device__ __forceinline__ float fp8_scale(float amax, bool round_scale) {
     return round_scale ? pow2_ceil(scale) : scale;
 }
 
+// fp8_scale(amax, false) and __fdiv_rn(1, that scale), bit for bit, without a division, where amax is the largest
+// |x| of bf16 values (a bf16 value itself, before the floor): scale = amax / 448 as amax * RN(1/448) corrected once
+// by its FMA residual, and its reciprocal as rcp.approx (within 1 ulp) corrected once by Newton's step in FMAs. Both
+// were checked exact against the IEEE divisions for every positive finite bf16 amax >= 1e-4 and the floor itself,
+// the reciprocal from any start within 4 ulp (tests/test_combine_fp8.py); a float32 amax (a sum) is not covered.
+// The two divisions cost ~25 instructions with two branches to a slow path; these 6 have none.
+__device__ __forceinline__ float bf16_block_scale(float amax, float& inverse) {
+    constexpr float kInverseMax = 1.0f / kFp8Max;  // RN(1/448), 0x3b124925
+    amax = fmaxf(amax, kFp8AmaxFloor);
+    const float guess = __fmul_rn(amax, kInverseMax);
+    const float scale = __fmaf_rn(__fmaf_rn(-guess, kFp8Max, amax), kInverseMax, guess);
+    const float start = ptx::rcp_approx_ftz_f32(scale);
+    inverse = __fmaf_rn(__fmaf_rn(-scale, start, 1.0f), start, start);
+    return scale;
+}
+
 // The biased exponent byte of a power-of-two scale (UE8M0).
 __device__ __forceinline__ uint8_t ue8m0_of(float pow2_scale) {
     return static_cast<uint8_t>((__float_as_uint(pow2_scale) >> 23) & 0xffu);
@@ -80,6 +96,14 @@ __device__ __forceinline__ float block128_scale(const float* values) {
     return fp8_scale(block128_amax(amax), false);
 }
 
+// block128_scale of bf16 values (bf16_block_scale: no division), and its reciprocal in `inverse`.
+__device__ __forceinline__ float bf16_block128_scale(const float* values, float& inverse) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) amax = fmaxf(amax, fabsf(values[c]));
+    return bf16_block_scale(block128_amax(amax), inverse);
+}
+
 // One bf16 row of row_int4 16-byte words (a multiple of 16: hidden % 128 == 0) quantised by one warp into `dst`:
 // the hidden e4m3 bytes, then hidden / 128 float32 scales. kInFlight loads a lane are issued before any is
 // converted (a row of 7168 channels is 28 words a lane: one round trip each would leave the warp waiting).
@@ -98,9 +122,10 @@ __device__ __forceinline__ void warp_quantize_row(char* dst, const int4* src, in
             const int i = i0 + 32 * j + lane;
             float f[8];
             unpack_bf16x8(v[j], f);
-            const float scale = block128_scale(f);
+            float inverse;
+            const float scale = bf16_block128_scale(f, inverse);
             if (i < row_int4) {  // (a whole block of 16 lanes or none: row_int4 % 16 == 0)
-                *reinterpret_cast<uint2*>(dst + static_cast<int64_t>(i) * 8) = quantize_x8(f, __fdiv_rn(1.0f, scale));
+                *reinterpret_cast<uint2*>(dst + static_cast<int64_t>(i) * 8) = quantize_x8(f, inverse);
                 if (i % 16 == 0) scales[i / 16] = scale;
             }
         }

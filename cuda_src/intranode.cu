@@ -794,13 +794,14 @@ __device__ __forceinline__ void reduce_token_fp8(const int4* const* rows, int me
                 if (r == me) {
                     float f[8];
                     unpack_bf16x8(own[u], f);
-                    const float s = block128_scale(f);  // every lane
-                    if (valid) add_fp8x8(acc, quantize_x8(f, __fdiv_rn(1.0f, s)), s);
+                    float inverse;
+                    const float s = bf16_block128_scale(f, inverse);  // every lane
+                    if (valid) add_fp8x8(acc, quantize_x8(f, inverse), s);
                 } else if (valid) {
                     add_fp8x8(acc, q[u][r], scale[u][r]);
                 }
             }
-            if (valid) ptx::st_global_L1_no_allocate_v4(out + static_cast<int64_t>(t) * row_int4 + i, pack_bf16x8(acc));
+            if (valid) ptx::st_global_L1_no_allocate_v4(out + static_cast<int64_t>(t) * row_int4 + i, pack_bf16x8_rn(acc));
         }
     }
 }

@@ -206,6 +206,13 @@ __device__ __forceinline__ uint32_t cvt_rn_f16x2_e4m3x2(uint16_t v) {
     asm volatile("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(v));
     return h;
 }
+// Two floats to two bf16, round to nearest even (subnormals kept, overflow to inf): `hi` lands in the upper half.
+// A NaN comes out as the hardware's NaN, not NumPy's 0x7fc0 (pack_bf16x8_rn in bf16.cuh handles that).
+__device__ __forceinline__ uint32_t cvt_rn_bf16x2_f32(float hi, float lo) {
+    uint32_t v;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(v) : "f"(hi), "f"(lo));
+    return v;
+}
 // A half (its bits) to a float, exactly.
 __device__ __forceinline__ float cvt_f32_f16(uint16_t v) {
     float f;
@@ -213,8 +220,8 @@ __device__ __forceinline__ float cvt_f32_f16(uint16_t v) {
     return f;
 }
 
-/// Approximate math (LogFMT, low_latency.cu): the hardware's fast base-2 logarithm and exponential, as DeepEP's
-/// LogFMT uses them (relative error about 2^-22; lg2 of 0 is -inf, subnormal inputs are handled).
+/// Approximate math: the hardware's fast base-2 logarithm and exponential, as DeepEP's LogFMT uses them
+/// (low_latency.cu; relative error about 2^-22; lg2 of 0 is -inf, subnormal inputs are handled), and its reciprocal.
 __device__ __forceinline__ float lg2_approx_f32(float x) {
     float v;
     asm("lg2.approx.f32 %0, %1;" : "=f"(v) : "f"(x));
@@ -223,6 +230,13 @@ __device__ __forceinline__ float lg2_approx_f32(float x) {
 __device__ __forceinline__ float ex2_approx_f32(float x) {
     float v;
     asm("ex2.approx.f32 %0, %1;" : "=f"(v) : "f"(x));
+    return v;
+}
+// 1 / x within 1 ulp (the FP8 scales' exact reciprocal starts from it: fp8.cuh bf16_block_scale); normal x only
+// (ftz: a subnormal input or result is flushed).
+__device__ __forceinline__ float rcp_approx_ftz_f32(float x) {
+    float v;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(v) : "f"(x));
     return v;
 }
 

@@ -4,6 +4,7 @@ to the reference by tests/ranks/intranode.py (tests/test_gpu_intranode.py)."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -294,3 +295,47 @@ def test_the_fast_round_trip_is_the_float8_casts_bit_for_bit():
         x[0, :128] = 0  # a block of zeros: the amax floor
         slow = fp8_to_float(*per_token_cast_to_fp8(x))
         assert np.array_equal(fp8_round_trip(x).view(np.uint32), slow.view(np.uint32)), scale
+
+
+def _rn32(n: int, e: int) -> np.float32:
+    """n * 2**e (n an int) rounded to the nearest float32, ties to even (normal results only, as here)."""
+    sign, n = (-1 if n < 0 else 1), abs(n)
+    shift = n.bit_length() - 24
+    if shift > 0:
+        n, rest = divmod(n, 1 << shift)
+        half = 1 << (shift - 1)
+        n += rest > half or (rest == half and n & 1)
+        e += shift
+    return np.float32(math.ldexp(sign * n, e))
+
+
+def _exact(v: np.float32) -> tuple[int, int]:
+    n, d = float(v).as_integer_ratio()
+    return n, -(d.bit_length() - 1)
+
+
+def _fma32(a: np.float32, b: np.float32, c: np.float32) -> np.float32:
+    """A float32 fused multiply-add: a * b + c exactly, rounded once."""
+    (na, ea), (nb, eb), (nc, ec) = _exact(a), _exact(b), _exact(c)
+    e = min(ea + eb, ec)
+    return _rn32((na * nb << (ea + eb - e)) + (nc << (ec - e)), e)
+
+
+def test_the_fp8_scale_without_division_is_the_ieee_division_for_every_bf16_amax():
+    """cuda_src/fp8.cuh bf16_block_scale: for every amax a block of bf16 values can have (every positive finite bf16
+    at or above the 1e-4 floor, and the floor), amax * RN(1/448) corrected once by its FMA residual is amax / 448
+    (float32 division, the reference's scale), and its reciprocal from rcp.approx (any start within 2 ulp) corrected
+    by one Newton step in FMAs is 1 / scale (the reference's inverse), bit for bit."""
+    bf16_bits = np.arange(0, 0x7F80, dtype=np.uint32) << 16
+    amaxes = np.unique(np.maximum(bf16_bits.view(np.float32), np.float32(1e-4)))
+    max_, inverse_max, one = np.float32(448), np.float32(1) / np.float32(448), np.float32(1)
+    for amax in amaxes:
+        want = amax / max_
+        guess = amax * inverse_max  # (NumPy's float32 multiply: one rounding)
+        scale = _fma32(_fma32(-guess, max_, amax), inverse_max, guess)
+        assert scale == want, (amax, scale, want)
+        want_inverse = one / scale
+        for ulps in (-2, -1, 0, 1, 2):
+            start = want_inverse.view(np.int32) + np.int32(ulps)
+            start = start.view(np.float32)
+            assert _fma32(_fma32(-scale, start, one), start, start) == want_inverse, (amax, ulps)
