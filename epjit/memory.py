@@ -472,8 +472,9 @@ class PeerMemory:
         host[o["sym_bytes"]:o["sym_bytes"] + 8].view(np.int64)[:] = num_bytes
         host[o["sym_base"]:o["sym_base"] + 8].view(np.uint64)[:] = region.base
         host[o["sym_peer"]:o["sym_peer"] + 8 * len(region.peer_ptrs)].view(np.uint64)[:] = region.peer_ptrs
-        table = cupy.asarray(host)
-        cupy.cuda.runtime.deviceSynchronize()
+        with cupy.cuda.Device(self.group.device):  # (called later than create: another device may be current)
+            table = cupy.asarray(host)
+            cupy.cuda.runtime.deviceSynchronize()
         return PeerMemory(self.group, self.nvl, region, self.wait_record, table, {}, owner=self)
 
     def nvl_payload_ptr(self, nvl_rank: int | None = None) -> int:

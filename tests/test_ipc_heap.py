@@ -1,8 +1,8 @@
 """The symmetric region on CUDA IPC memory (epjit.memory.IpcHeap), on the CPU with a stand-in for CuPy's runtime:
 which Buffers get it (one NVLink node, puts not forced, NVSHMEM not asked for; virtual nodes on one host with
 EPJIT_RDMA_BY_STORES), the pointers it gives the kernels (every rank's, past the header, at the same offsets), that
-NVSHMEM never starts for it, that it refuses a group across hosts, and that closing it gives back the allocation and
-every mapping."""
+NVSHMEM never starts for it, that it refuses a group across hosts, that closing it gives back the allocation and
+every mapping, and that a Buffer's peer memory lands on the rank's GPU whatever device is current."""
 
 from __future__ import annotations
 
@@ -150,3 +150,52 @@ def test_the_low_latency_build_follows_the_heap_and_forced_puts():
     assert type(kernels_for(False, None)) is LowLatencyPutsSpec
     assert LowLatencyPutsSpec.USES_NVSHMEM and not LowLatencyStoresSpec.USES_NVSHMEM
     assert LowLatencyStoresSpec.KERNELS == LowLatencySpec.KERNELS
+
+
+def test_peer_memory_allocates_on_the_ranks_gpu_whatever_device_is_current(runtime, monkeypatch):
+    """JAX's client (and any other library) may leave another GPU current after epjit.init() bound the rank's: every
+    allocation of PeerMemory.create (NVLink buffer, IPC heap, peers table) still lands on the group's GPU."""
+    current = {"device": 1}  # another GPU is current when the Buffer is made
+    on_device: list[tuple[str, int]] = []
+
+    class Device:
+        def __init__(self, ordinal: int) -> None:
+            self.ordinal, self.previous = ordinal, None
+
+        def use(self) -> None:
+            current["device"] = self.ordinal
+
+        def __enter__(self) -> Device:
+            self.previous, current["device"] = current["device"], self.ordinal
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            current["device"] = self.previous
+
+    malloc = runtime.malloc
+
+    def recording_malloc(num_bytes: int) -> int:
+        on_device.append(("malloc", current["device"]))
+        return malloc(num_bytes)
+
+    def asarray(host: object) -> object:
+        on_device.append(("table", current["device"]))
+        return types.SimpleNamespace(data=types.SimpleNamespace(ptr=1 << 30))
+
+    monkeypatch.setattr(runtime, "malloc", recording_malloc)
+    cupy = sys.modules["cupy"]
+    cupy.cuda.Device = Device
+    cupy.asarray = asarray
+
+    class Record:  # the wait record's pinned host memory is not the GPU's
+        device_ptr = 0
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(memory, "WaitRecord", Record)
+    group = FakeGroup(4, 4)  # its GPU: 0
+    mem = PeerMemory.create(group, 1 << 20, 1 << 20, symmetric="ipc")
+    assert on_device == [("malloc", 0), ("malloc", 0), ("table", 0)], on_device
+    assert current["device"] == 0  # left bound: the Buffer's later allocations follow it
+    del mem
