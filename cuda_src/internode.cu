@@ -215,6 +215,15 @@ struct InternodeCall : RoleStamps {
     __device__ char* received_slot(int node_, int64_t p) const {
         return heap.recv_slot(channel, node_, chunks.slot(p));
     }
+    // Wait until the rail peer on node_ has read my ring to it up to `need` (its head_seen): room for a chunk, or
+    // the whole ring drained before a call lays it out again. The nanoseconds waited (0 but in the profile build).
+    __device__ uint64_t wait_ring_head(int node_, int64_t need, const char* what) const {
+        const RdmaRing& r = ring(node_);
+        return profiled_wait(peers, WaitSite{what, rail_peer(node_), channel, need}, [&](int64_t& seen) {
+            seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&r.head_seen));
+            return seen < need;
+        });
+    }
 };
 
 __device__ __forceinline__ int4* msg_x(char* slot) { return reinterpret_cast<int4*>(slot + 16); }
@@ -553,12 +562,7 @@ __device__ void dispatch_senders(const InternodeCall& call, const int4* x, const
         const int* prefix = rdma_channel_prefix + lane * C;
         end = base + 1 + prefix[c] - (c > 0 ? prefix[c - 1] : 0);
         // A ring is written only once its reader has read everything before (its layout may have changed since).
-        drained = profiled_wait(call.peers, WaitSite{"internode_dispatch sender: the RDMA ring to drain",
-                                                     call.rail_peer(lane), c, last_end},
-                                [&](int64_t& seen) {
-                                    seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
-                                    return seen < last_end;
-                                });
+        drained = call.wait_ring_head(lane, last_end, "internode_dispatch sender: the RDMA ring to drain");
     }
     __syncwarp();
     call.stamp_warp_wait(kDispatchRoleRdmaSender, kRdmaSenderBlockedNs, drained, lane);
@@ -603,14 +607,8 @@ __device__ void dispatch_senders(const InternodeCall& call, const int4* x, const
                 if (p / S % kSendWarps != warp) continue;
                 if (p % S == 0 && lane == 0) {  // the first message of my chunk: room for the whole chunk
                     const int64_t need = call.chunks.head_needed(p);
-                    const RdmaRing& ring = call.ring(m);
                     const uint64_t waited =
-                        profiled_wait(call.peers, WaitSite{"internode_dispatch sender: RDMA ring room (head)",
-                                                           call.rail_peer(m), c, need},
-                                      [&](int64_t& seen) {
-                                          seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
-                                          return seen < need;
-                                      });
+                        call.wait_ring_head(m, need, "internode_dispatch sender: RDMA ring room (head)");
                     call.stamp_wait(kDispatchRoleRdmaSender, kRdmaSenderBlockedNs, waited);
                 }
                 __syncwarp();
@@ -1363,12 +1361,7 @@ __device__ void combine_forward_node(const InternodeCall& call, int n, const int
     const int64_t nvl_base = lane < V ? static_cast<int64_t>(mine.ring_words(c, lane).combine_head[n]) : 0;
     if (warp_in_group == 0 && lane == 0) {
         const uint64_t waited =
-            profiled_wait(call.peers, WaitSite{"internode_combine forwarder: the RDMA ring to drain",
-                                               call.rail_peer(n), c, last_end},
-                          [&](int64_t& seen) {
-                              seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
-                              return seen < last_end;
-                          });
+            call.wait_ring_head(n, last_end, "internode_combine forwarder: the RDMA ring to drain");
         call.stamp_wait(kCombineRoleForwarder, kCombineForwarderBlockedNs, waited);
     }
     ptx::bar_sync(barrier, warps * 32);
@@ -1378,12 +1371,7 @@ __device__ void combine_forward_node(const InternodeCall& call, int n, const int
             if (lane == 0) {
                 const int64_t need = call.chunks.head_needed(base + k0);
                 const uint64_t waited =
-                    profiled_wait(call.peers, WaitSite{"internode_combine forwarder: RDMA ring room (head)",
-                                                       call.rail_peer(n), c, need},
-                                  [&](int64_t& seen) {
-                                      seen = static_cast<int64_t>(ptx::ld_acquire_sys_u64(&ring.head_seen));
-                                      return seen < need;
-                                  });
+                    call.wait_ring_head(n, need, "internode_combine forwarder: RDMA ring room (head)");
                 call.stamp_wait(kCombineRoleForwarder, kCombineForwarderBlockedNs, waited);
             }
             __syncwarp();
