@@ -73,11 +73,27 @@ class FakeGroup:
         self.barriers += 1
 
 
+class FakeDevice:
+    """cupy.cuda.Device: binding a GPU current (use, or for a block) does nothing here."""
+
+    def __init__(self, ordinal: int) -> None:
+        self.ordinal = ordinal
+
+    def use(self) -> None:
+        pass
+
+    def __enter__(self) -> FakeDevice:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 @pytest.fixture
 def runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeRuntime]:
     rt = FakeRuntime()
     cupy = types.ModuleType("cupy")
-    cupy.cuda = types.SimpleNamespace(runtime=rt)
+    cupy.cuda = types.SimpleNamespace(runtime=rt, Device=FakeDevice)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     # NVSHMEM must not be touched: importing it fails here
     monkeypatch.setitem(sys.modules, "nvshmem", None)
