@@ -93,6 +93,26 @@ def test_build_variants_are_defines_of_one_source():
     assert all(not o.startswith("-D") or o == "-DNDEBUG" for o in compile_options(plain[0], "sm_90", jit_config()))
 
 
+def test_build_with_names_the_build_after_its_spec_and_keeps_its_fields():
+    import pickle
+
+    from epjit.kernels.intranode import IntranodeShrinkSpec, IntranodeSpec, intranode_spec, shrink_spec
+
+    spec = intranode_spec(4)
+    built = jit.build_with(IntranodeSpec, "EPJIT_TEST_DEFINE", "TestBuild", __name__)
+    assert built.__name__ == "IntranodeTestBuildSpec" and issubclass(built, IntranodeSpec)
+    assert built.BUILD == "intranode_test_build" and built.DEFINES == ("EPJIT_TEST_DEFINE",)
+    assert built.KERNELS is IntranodeSpec.KERNELS and built.SOURCE == IntranodeSpec.SOURCE
+    moved = jit.same_fields(spec, built)
+    assert type(moved) is built and dataclasses.astuple(moved) == dataclasses.astuple(spec)
+    assert moved.family == spec.family.replace("intranode.", "intranode_test_build.", 1)
+    assert repr(moved).startswith("IntranodeTestBuildSpec(")  # the cache key's type name and repr
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        moved.num_ranks = 8  # type: ignore[misc]
+    shrink = shrink_spec(spec)  # a build assigned under its name where it is made pickles (ranks compare specs)
+    assert type(shrink) is IntranodeShrinkSpec and pickle.loads(pickle.dumps(shrink)) == shrink
+
+
 def test_swapped_arguments_of_one_type_are_caught():
     """Two int parameters swapped in a .cu signature are invisible to a type check; the names catch them."""
     spec = next(s for s in check_specs() if s.family == "barrier.num_nvl_ranks=4")
