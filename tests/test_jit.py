@@ -5,8 +5,10 @@ file:line, and the house rules on PTX and waits."""
 from __future__ import annotations
 
 import dataclasses
+import glob
 import multiprocessing as mp
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +93,26 @@ def test_build_variants_are_defines_of_one_source():
             assert re.search(rf"defined\(\s*{name}\s*\)|#\s*ifn?def\s+{name}\b", text), (spec.family, name)
     plain = [spec for spec in ALL_SPECS if not spec.DEFINES]
     assert all(not o.startswith("-D") or o == "-DNDEBUG" for o in compile_options(plain[0], "sm_90", jit_config()))
+
+
+def test_build_with_names_the_build_after_its_spec_and_keeps_its_fields():
+    import pickle
+
+    from epjit.kernels.intranode import IntranodeShrinkSpec, IntranodeSpec, intranode_spec, shrink_spec
+
+    spec = intranode_spec(4)
+    built = jit.build_with(IntranodeSpec, "EPJIT_TEST_DEFINE", "TestBuild", __name__)
+    assert built.__name__ == "IntranodeTestBuildSpec" and issubclass(built, IntranodeSpec)
+    assert built.BUILD == "intranode_test_build" and built.DEFINES == ("EPJIT_TEST_DEFINE",)
+    assert built.KERNELS is IntranodeSpec.KERNELS and built.SOURCE == IntranodeSpec.SOURCE
+    moved = jit.same_fields(spec, built)
+    assert type(moved) is built and dataclasses.astuple(moved) == dataclasses.astuple(spec)
+    assert moved.family == spec.family.replace("intranode.", "intranode_test_build.", 1)
+    assert repr(moved).startswith("IntranodeTestBuildSpec(")  # the cache key's type name and repr
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        moved.num_ranks = 8  # type: ignore[misc]
+    shrink = shrink_spec(spec)  # a build assigned under its name where it is made pickles (ranks compare specs)
+    assert type(shrink) is IntranodeShrinkSpec and pickle.loads(pickle.dumps(shrink)) == shrink
 
 
 def test_swapped_arguments_of_one_type_are_caught():
@@ -250,13 +272,29 @@ def test_ranks_racing_to_compile_agree(tmp_path):
 
 
 def test_check_cli_compiles_every_module(tmp_path):
-    env = {"EPJIT_CACHE_DIR": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin"}
+    """Every module through the CLI, then all of them from its cache. A cold build of all of them takes minutes on two
+    cores, so the cache starts as a copy of what scripts/test.sh's own --check left (where it ran), less two modules
+    built again: a plain one and one linked with NVSHMEM (without that cache every module is built)."""
+    config = jit_config()
+    cache = tmp_path / "cache"
+    built, folder = config.cache_dir / config.version / "sm_90", cache / config.version / "sm_90"
+    if built.is_dir():
+        shutil.copytree(built, folder)
+    plain = next(spec for spec in ALL_SPECS if not spec.USES_NVSHMEM)
+    linked = next(spec for spec in ALL_SPECS if spec.USES_NVSHMEM)
+    for spec in (plain, linked):
+        for entry in folder.glob(f"{glob.escape(spec.family)}.*"):
+            entry.unlink()
+    env = {"EPJIT_CACHE_DIR": str(cache), "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-m", "epjit.jit", "--check", "--arch", "sm_90"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stdout + out.stderr
+    lines = {line.split()[0]: line for line in out.stdout.splitlines() if line.split()}
     for spec in ALL_SPECS:
-        assert spec.family in out.stdout
-    assert "0 failed" in out.stdout and "compiled + linked" in out.stdout
+        assert spec.family in lines, (spec.family, out.stdout[-2000:])
+    assert lines[plain.family].endswith(" compiled") and lines[linked.family].endswith(" compiled + linked"), \
+        (lines[plain.family], lines[linked.family])
+    assert "0 failed" in out.stdout
     warm = subprocess.run([sys.executable, "-m", "epjit.jit", "--check", "--arch", "sm_90"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert warm.returncode == 0 and warm.stdout.count(" cache") == len(ALL_SPECS), warm.stdout

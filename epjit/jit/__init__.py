@@ -17,7 +17,7 @@ from .module import Module, device_arch, load, unload_all
 from .program import CompiledProgram, Program, compile_program, compile_variant
 from .registry import KernelSet
 from .signature import KernelSignature, Parameter, SignatureError, parse_globals, parse_kernels
-from .spec import KernelArgs, KernelSpec, camel_param
+from .spec import KernelArgs, KernelSpec, build_with, camel_param, same_fields
 
 __all__ = [
     "CompileError",
@@ -34,6 +34,7 @@ __all__ = [
     "Program",
     "SignatureError",
     "ToolchainError",
+    "build_with",
     "camel_param",
     "compile_program",
     "compile_variant",
@@ -43,5 +44,6 @@ __all__ = [
     "normalize_arch",
     "parse_globals",
     "parse_kernels",
+    "same_fields",
     "unload_all",
 ]

@@ -13,9 +13,10 @@ which the launcher's fast path packs every argument with in a single call.
 from __future__ import annotations
 
 import dataclasses
+import re
 import struct
 from pathlib import PurePath
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -127,6 +128,29 @@ class KernelSpec:
         if kernel not in self.KERNELS:
             raise KeyError(f"{type(self).__name__} has no kernel {kernel!r}; it has {sorted(self.KERNELS)}")
         return KernelArgs(self, kernel, [MISSING] * len(self.KERNELS[kernel])).set(**named)
+
+
+S = TypeVar("S", bound=KernelSpec)
+
+
+def build_with(spec: type[S], define: str, name: str, module: str, **class_vars: Any) -> type[S]:
+    """``spec``'s kernels built again with the macro ``define`` as well (a build of its own: the source tests
+    ``defined(define)``, and the builds without it stay the code they were). A frozen dataclass of the same fields,
+    named ``spec``'s name with ``name`` before its "Spec" (``IntranodeSpec``, "Shrink": ``IntranodeShrinkSpec``),
+    its BUILD ``spec``'s with ``_<name in snake case>`` (``intranode_shrink``); ``class_vars`` set others (KERNELS).
+    ``module`` is where it is assigned to that name: a spec is pickled by its class's module and name."""
+    stem = spec.BUILD or PurePath(spec.SOURCE).stem
+    class_name = spec.__name__.removesuffix("Spec") + name + "Spec"
+    namespace = {"__module__": module, "__qualname__": class_name,
+                 "__doc__": f"{spec.__name__}'s kernels built with {define} as well.",
+                 "DEFINES": (*spec.DEFINES, define), "BUILD": f"{stem}_{re.sub(r'(?<!^)(?=[A-Z])', '_', name).lower()}",
+                 **class_vars}
+    return dataclasses.dataclass(frozen=True)(type(class_name, (spec,), namespace))
+
+
+def same_fields(spec: KernelSpec, build: type[S]) -> S:
+    """``spec``'s fields in ``build``, another build of its kernels (:func:`build_with`)."""
+    return build(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
 
 
 class _Missing:

@@ -4,9 +4,9 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from ..jit.spec import KernelSpec
+from ..jit.spec import KernelSpec, build_with, same_fields
 from .foundation import TimelineRole
 from .intranode import CLAIMS, PEERS
 
@@ -199,7 +199,7 @@ _STORES: dict[type, type] = {InternodeNotifySpec: InternodeNotifyStoresSpec, Int
 def by_stores(spec: InternodeNotifySpec | InternodeSpec | InternodeCombineFp8Spec) -> KernelSpec:
     """The same kernels at the same instantiation, built with the RDMA leg as NVLink stores."""
     stores = next(stores for family, stores in _STORES.items() if isinstance(spec, family))
-    return stores(**{f.name: getattr(spec, f.name) for f in fields(spec)})
+    return same_fields(spec, stores)
 
 
 # The profile build (a Buffer made with EPJIT_PROFILE=1): each build again with EPJIT_INTERNODE_PROFILE, the only one
@@ -208,69 +208,24 @@ def by_stores(spec: InternodeNotifySpec | InternodeSpec | InternodeCombineFp8Spe
 PROFILE = "EPJIT_INTERNODE_PROFILE"
 
 
-@dataclass(frozen=True)
-class InternodeNotifyProfileSpec(InternodeNotifySpec):
-    """InternodeNotifySpec's profile build (EPJIT_INTERNODE_PROFILE)."""
-
-    DEFINES = (PROFILE,)
-    BUILD = "internode_profile"
-
-
-@dataclass(frozen=True)
-class InternodeProfileSpec(InternodeSpec):
-    """InternodeSpec's profile build (EPJIT_INTERNODE_PROFILE)."""
-
-    DEFINES = (PROFILE,)
-    BUILD = "internode_profile"
-
-
-@dataclass(frozen=True)
-class InternodeCombineFp8ProfileSpec(InternodeCombineFp8Spec):
-    """InternodeCombineFp8Spec's profile build (EPJIT_INTERNODE_PROFILE)."""
-
-    DEFINES = (PROFILE,)
-    BUILD = "internode_combine_fp8_profile"
-
-
-@dataclass(frozen=True)
-class InternodeNotifyStoresProfileSpec(InternodeNotifyStoresSpec):
-    """InternodeNotifyStoresSpec's profile build (EPJIT_INTERNODE_PROFILE)."""
-
-    DEFINES = ("EPJIT_RDMA_BY_STORES", PROFILE)
-    BUILD = "internode_stores_profile"
-
-
-@dataclass(frozen=True)
-class InternodeStoresProfileSpec(InternodeStoresSpec):
-    """InternodeStoresSpec's profile build (EPJIT_INTERNODE_PROFILE)."""
-
-    DEFINES = ("EPJIT_RDMA_BY_STORES", PROFILE)
-    BUILD = "internode_stores_profile"
-
-
-@dataclass(frozen=True)
-class InternodeCombineFp8StoresProfileSpec(InternodeCombineFp8StoresSpec):
-    """InternodeCombineFp8StoresSpec's profile build (EPJIT_INTERNODE_PROFILE)."""
-
-    DEFINES = ("EPJIT_RDMA_BY_STORES", PROFILE)
-    BUILD = "internode_combine_fp8_stores_profile"
-
-
+InternodeNotifyProfileSpec = build_with(InternodeNotifySpec, PROFILE, "Profile", __name__)
+InternodeProfileSpec = build_with(InternodeSpec, PROFILE, "Profile", __name__)
+InternodeCombineFp8ProfileSpec = build_with(InternodeCombineFp8Spec, PROFILE, "Profile", __name__)
+InternodeNotifyStoresProfileSpec = build_with(InternodeNotifyStoresSpec, PROFILE, "Profile", __name__)
+InternodeStoresProfileSpec = build_with(InternodeStoresSpec, PROFILE, "Profile", __name__)
+InternodeCombineFp8StoresProfileSpec = build_with(InternodeCombineFp8StoresSpec, PROFILE, "Profile", __name__)
 PROFILE_BUILDS: dict[type, type] = {
-    InternodeNotifySpec: InternodeNotifyProfileSpec,
-    InternodeSpec: InternodeProfileSpec,
+    InternodeNotifySpec: InternodeNotifyProfileSpec, InternodeSpec: InternodeProfileSpec,
     InternodeCombineFp8Spec: InternodeCombineFp8ProfileSpec,
-    InternodeNotifyStoresSpec: InternodeNotifyStoresProfileSpec,
-    InternodeStoresSpec: InternodeStoresProfileSpec,
-    InternodeCombineFp8StoresSpec: InternodeCombineFp8StoresProfileSpec,
-}
+    InternodeNotifyStoresSpec: InternodeNotifyStoresProfileSpec, InternodeStoresSpec: InternodeStoresProfileSpec,
+    InternodeCombineFp8StoresSpec: InternodeCombineFp8StoresProfileSpec}
 
 
 def profile_spec(spec: InternodeNotifySpec | InternodeSpec | InternodeCombineFp8Spec) -> KernelSpec:
     """The same kernels at the same instantiation (and RDMA leg) in the profile build; a profile build is returned
     as it is."""
     build = PROFILE_BUILDS.get(type(spec))
-    return spec if build is None else build(**{f.name: getattr(spec, f.name) for f in fields(spec)})
+    return spec if build is None else same_fields(spec, build)
 
 
 @functools.cache

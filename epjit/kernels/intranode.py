@@ -3,9 +3,9 @@ buffer layout (cuda_src/intranode.cuh) and the config heuristics. Pure Python: t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from ..jit.spec import KernelSpec
+from ..jit.spec import KernelSpec, build_with, same_fields
 
 PEERS = ("peers", "const PeersTable*")
 NUM_THREADS = 768  # 24 warps a block: splits evenly among 1, 2, 3, 4, 6 and 8 ranks
@@ -139,30 +139,10 @@ NORMAL_SHRINK_BYTES = 48  # sizeof(NormalShrink): {records, timeout_ns, int32 ma
 NORMAL_SHRINK_MASK_AT = 16  # the mask's offset in it
 
 
-@dataclass(frozen=True)
-class IntranodeNotifyShrinkSpec(IntranodeNotifySpec):
-    """IntranodeNotifySpec's build in shrink mode (EPJIT_NORMAL_SHRINK)."""
-
-    DEFINES = ("EPJIT_NORMAL_SHRINK",)
-    BUILD = "intranode_notify_shrink"
-
-
-@dataclass(frozen=True)
-class IntranodeShrinkSpec(IntranodeSpec):
-    """IntranodeSpec's build in shrink mode (EPJIT_NORMAL_SHRINK)."""
-
-    DEFINES = ("EPJIT_NORMAL_SHRINK",)
-    BUILD = "intranode_shrink"
-
-
-@dataclass(frozen=True)
-class IntranodeCombineFp8ShrinkSpec(IntranodeCombineFp8Spec):
-    """IntranodeCombineFp8Spec's build in shrink mode (EPJIT_NORMAL_SHRINK)."""
-
-    DEFINES = ("EPJIT_NORMAL_SHRINK",)
-    BUILD = "intranode_combine_fp8_shrink"
-
-
+IntranodeNotifyShrinkSpec = build_with(IntranodeNotifySpec, "EPJIT_NORMAL_SHRINK", "Shrink", __name__,
+                                       BUILD="intranode_notify_shrink")
+IntranodeShrinkSpec = build_with(IntranodeSpec, "EPJIT_NORMAL_SHRINK", "Shrink", __name__)
+IntranodeCombineFp8ShrinkSpec = build_with(IntranodeCombineFp8Spec, "EPJIT_NORMAL_SHRINK", "Shrink", __name__)
 SHRINK_BUILDS: dict[type, type] = {IntranodeNotifySpec: IntranodeNotifyShrinkSpec,
                                    IntranodeSpec: IntranodeShrinkSpec,
                                    IntranodeCombineFp8Spec: IntranodeCombineFp8ShrinkSpec}
@@ -171,9 +151,7 @@ SHRINK_BUILDS: dict[type, type] = {IntranodeNotifySpec: IntranodeNotifyShrinkSpe
 def shrink_spec(spec: IntranodeNotifySpec | IntranodeSpec | IntranodeCombineFp8Spec) -> KernelSpec:
     """The same kernels (fields alike) in shrink mode's build; a shrink build is returned as it is."""
     build = SHRINK_BUILDS.get(type(spec))
-    if build is None:
-        return spec
-    return build(*(getattr(spec, f.name) for f in fields(spec)))
+    return spec if build is None else same_fields(spec, build)
 
 
 def combine_fp8_spec(spec: IntranodeSpec) -> IntranodeCombineFp8Spec:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..jit.spec import KernelSpec
+from ..jit.spec import KernelSpec, build_with
 
 PEERS = ("peers", "const PeersTable*")
 LOW_LATENCY_THREADS = 1024
@@ -82,33 +82,10 @@ SHRINK_KERNELS = {
 }
 
 
-@dataclass(frozen=True)
-class LowLatencyShrinkSpec(LowLatencySpec):
-    """LowLatencySpec's build in shrink mode (EPJIT_LL_SHRINK), with the clean barrier."""
-
-    DEFINES = ("EPJIT_LL_SHRINK",)
-    BUILD = "low_latency_shrink"
-    KERNELS = SHRINK_KERNELS
-
-
-@dataclass(frozen=True)
-class LowLatencyPutsShrinkSpec(LowLatencyPutsSpec):
-    """LowLatencyPutsSpec's build in shrink mode (EPJIT_LL_SHRINK), with the clean barrier."""
-
-    DEFINES = ("EPJIT_LL_PUTS", "EPJIT_LL_SHRINK")
-    BUILD = "low_latency_puts_shrink"
-    KERNELS = SHRINK_KERNELS
-
-
-@dataclass(frozen=True)
-class LowLatencyStoresShrinkSpec(LowLatencyStoresSpec):
-    """LowLatencyStoresSpec's build in shrink mode (EPJIT_LL_SHRINK), with the clean barrier."""
-
-    DEFINES = ("EPJIT_RDMA_BY_STORES", "EPJIT_LL_SHRINK")
-    BUILD = "low_latency_stores_shrink"
-    KERNELS = SHRINK_KERNELS
-
-
+LowLatencyShrinkSpec = build_with(LowLatencySpec, "EPJIT_LL_SHRINK", "Shrink", __name__, KERNELS=SHRINK_KERNELS)
+LowLatencyPutsShrinkSpec = build_with(LowLatencyPutsSpec, "EPJIT_LL_SHRINK", "Shrink", __name__, KERNELS=SHRINK_KERNELS)
+LowLatencyStoresShrinkSpec = build_with(LowLatencyStoresSpec, "EPJIT_LL_SHRINK", "Shrink", __name__,
+                                        KERNELS=SHRINK_KERNELS)
 SHRINK_BUILDS: dict[type[LowLatencySpec], type[LowLatencySpec]] = {
     LowLatencySpec: LowLatencyShrinkSpec, LowLatencyPutsSpec: LowLatencyPutsShrinkSpec,
     LowLatencyStoresSpec: LowLatencyStoresShrinkSpec}
