@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GPU check of epjit.jax (docs/jax.md), on a machine with 2 to 4 GPUs and JAX's CUDA build installed (python3
+# The GPU check of epjit.jax (docs/jax.md), on a machine with GPUs and JAX's CUDA build installed (python3
 # importing epjit, CuPy and JAX: set that environment up first):
 #   bash scripts/jax_gpu.sh
-# Runs tests/test_gpu_jax.py (2 ranks, and 4 where there are 4 GPUs, one rank a GPU, through python -m epjit.launch),
-# writes its log under $OUT and prints the table last. A few minutes, the kernels' first compile included.
+# Runs tests/test_gpu_jax.py (2 and 4 ranks through python -m epjit.launch, one a GPU where there are enough, else
+# sharing them), writes its log under $OUT and prints the table last. A few minutes, the kernels' first compile included.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/epjit-out}
