@@ -85,6 +85,7 @@ class Intranode:
                 # launch; each launch's last block zeroes them for the next.
                 self._claims = cupy.zeros(2 * CLAIMS_INTS, dtype=cupy.int32)
                 self.num_device_sms = int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+                self._cuda_device = cupy.cuda.Device(device)  # (entered by each call's allocation: made once)
         except BaseException:
             self.records.close()
             raise
@@ -195,7 +196,7 @@ class Intranode:
         for shape in shapes:
             offsets.append(total)
             total += (math.prod(shape) + 63) // 64 * 64  # 256-byte aligned parts
-        with cupy.cuda.Device(self.device), self.streams.comm:  # (the current device may be another GPU's)
+        with self._cuda_device, self.streams.comm:  # (the current device may be another GPU's)
             owner = cupy.empty(max(total, 1), dtype=cupy.int32)
             if self.outputs.poison:
                 owner.view(cupy.uint8).fill(POISON_BYTE)
