@@ -65,6 +65,15 @@ constexpr bool kShrink = true;
 constexpr bool kShrink = false;
 #endif
 
+// The EPJIT_LL_WAIT_STATS build (a call given DeepEP's dispatch_wait_recv_cost_stats or
+// combine_wait_recv_cost_stats): each receive wait's nanoseconds, added to wait_stats[the rank waited for].
+// (An enum, not a constexpr variable: NVRTC may emit a namespace-scope constant as a global of the other builds too.)
+#if defined(EPJIT_LL_WAIT_STATS)
+enum : bool { kWaitStats = true };
+#else
+enum : bool { kWaitStats = false };
+#endif
+
 // Call flags (epjit/ops/low_latency.py mirrors them).
 constexpr int kFlagFp8 = 1;
 constexpr int kFlagRoundScale = 2;
@@ -138,6 +147,20 @@ __device__ __forceinline__ bool wait_peer(const PeersTable* peers, const Shrink&
         timeout_while(peers, site, keep_waiting);
         return true;
     }
+}
+
+// The wait-stats build's clock around a receive wait (wait_stats_since before it, add_wait_stats after): the
+// nanoseconds go to wait_stats[pe], an int64 a rank that the caller keeps adding to. The other builds read no clock
+// and add nothing: both compile to nothing there.
+__device__ __forceinline__ uint64_t wait_stats_since() {
+    if constexpr (kWaitStats) return ptx::globaltimer_ns();
+    return 0;
+}
+
+__device__ __forceinline__ void add_wait_stats(int64_t* wait_stats, int pe, uint64_t since) {
+    if constexpr (kWaitStats)
+        atomicAdd(reinterpret_cast<unsigned long long*>(wait_stats + pe),
+                  static_cast<unsigned long long>(ptx::globaltimer_ns() - since));
 }
 
 // Shrink build: every block of the grid past this point before any goes on, so every block reads one mask after
@@ -880,7 +903,7 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
             int hidden, int num_experts, int max_tokens, int set, int phases, int flags, int force_puts,
             LowLatencySync* sync, int* host_status, int4* recv_x, void* recv_scales,
             int* recv_src_info, int* recv_topk_slot, int64_t* layout_range, int* recv_count,
-            int* cumulative_stats, uint64_t* timeline) {
+            int* cumulative_stats, uint64_t* timeline, int64_t* wait_stats) {
     const int num_ranks = peers->num_ranks, num_local = num_experts / num_ranks;
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
     const int epoch = ptx::ld_volatile_s32(&sync->epoch[set]) + 1;
@@ -941,6 +964,7 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
             const int src = is_count ? j % num_ranks : j - num_pairs;
             const uint64_t* word = is_count ? lay.counts + j : lay.formats + src;
             uint64_t seen_word = 0;
+            const uint64_t since = wait_stats_since();
             wait_peer(peers, s, WaitSite{is_count ? "ll_dispatch: count of local expert (channel) from peer"
                                                   : "ll_dispatch: format word from peer",
                                          src, is_count ? j / num_ranks : -1, epoch},
@@ -949,6 +973,9 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
                           seen = signal_epoch(seen_word);
                           return seen != epoch;
                       });
+            // every block waits for every count: block 0's waits are the ones counted (as DeepEP, a (local
+            // expert, source) pair's once)
+            if (is_count && blockIdx.x == 0) add_wait_stats(wait_stats, src, since);
             const int value = static_cast<int>(static_cast<uint32_t>(seen_word));
             if (is_count)
                 pair_count[j] = -value - 1;
@@ -1150,7 +1177,8 @@ __device__ __forceinline__ void combine(const PeersTable* peers, const int4* y, 
                                         const int* topk_slot, const int64_t* layout_range, const int64_t* topk_idx,
                                         const float* topk_weights, int4* out, int num_tokens, int num_topk,
                                         int hidden, int num_experts, int max_tokens, int set, int phases,
-                                        int force_puts, LowLatencySync* sync, int* host_status, uint64_t* timeline) {
+                                        int force_puts, LowLatencySync* sync, int* host_status, uint64_t* timeline,
+                                        int64_t* wait_stats) {
     const int me = peers->rank, num_ranks = peers->num_ranks, num_local = num_experts / num_ranks;
     const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
     const int epoch = ptx::ld_volatile_s32(&sync->epoch[set]) + 1;
@@ -1228,12 +1256,14 @@ __device__ __forceinline__ void combine(const PeersTable* peers, const int4* y, 
             const int64_t expert = __ldg(topk_idx + static_cast<int64_t>(t) * num_topk + j % num_topk);
             if (expert < 0 || expert >= num_experts) continue;
             const uint64_t* word = lay.flags + expert;
+            const uint64_t since = wait_stats_since();
             wait_peer(peers, s, WaitSite{"ll_combine: rows of expert (channel) from its rank",
                                          static_cast<int>(expert) / num_local, static_cast<int>(expert), epoch},
                       [&](int64_t& seen) {
                           seen = signal_epoch(ptx::ld_acquire_sys_u64(word));
                           return seen != epoch;
                       });
+            add_wait_stats(wait_stats, static_cast<int>(expert) / num_local, since);  // each (token, k)'s wait
         }
         // Shrink build: the terms of a masked owner are skipped (zero), by one mask for the whole grid.
         if constexpr (kShrink) grid_sync(peers, s);
@@ -1299,9 +1329,9 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
 ll_combine(const PeersTable* peers, const int4* y, const int* src_info, const int* topk_slot,
            const int64_t* layout_range, const int64_t* topk_idx, const float* topk_weights, int4* out,
            int num_tokens, int num_topk, int hidden, int num_experts, int max_tokens, int set, int phases,
-           int force_puts, LowLatencySync* sync, int* host_status, uint64_t* timeline) {
+           int force_puts, LowLatencySync* sync, int* host_status, uint64_t* timeline, int64_t* wait_stats) {
     combine<false>(peers, y, src_info, topk_slot, layout_range, topk_idx, topk_weights, out, num_tokens, num_topk,
-                   hidden, num_experts, max_tokens, set, phases, force_puts, sync, host_status, timeline);
+                   hidden, num_experts, max_tokens, set, phases, force_puts, sync, host_status, timeline, wait_stats);
 }
 
 // The LogFMT-10 combine: launched only on the build without a put path (LowLatencySpec), hidden % 128 == 0.
@@ -1309,9 +1339,10 @@ __global__ void __launch_bounds__(kLowLatencyThreads, 1)
 ll_combine_logfmt(const PeersTable* peers, const int4* y, const int* src_info, const int* topk_slot,
                   const int64_t* layout_range, const int64_t* topk_idx, const float* topk_weights, int4* out,
                   int num_tokens, int num_topk, int hidden, int num_experts, int max_tokens, int set, int phases,
-                  int force_puts, LowLatencySync* sync, int* host_status, uint64_t* timeline) {
+                  int force_puts, LowLatencySync* sync, int* host_status, uint64_t* timeline,
+                  int64_t* wait_stats) {
     combine<true>(peers, y, src_info, topk_slot, layout_range, topk_idx, topk_weights, out, num_tokens, num_topk,
-                  hidden, num_experts, max_tokens, set, phases, force_puts, sync, host_status, timeline);
+                  hidden, num_experts, max_tokens, set, phases, force_puts, sync, host_status, timeline, wait_stats);
 }
 
 // ------------------------------------------------------------------------------------------ shrink: clean

@@ -287,17 +287,19 @@ class Buffer:
     def low_latency_dispatch(self, x: Any, topk_idx: Any, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                              use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
                              return_recv_hook: bool = False, async_finish: bool = False,
-                             cumulative_local_expert_recv_stats: Any = None) -> LowLatencyDispatchResult:
+                             cumulative_local_expert_recv_stats: Any = None,
+                             dispatch_wait_recv_cost_stats: Any = None) -> LowLatencyDispatchResult:
         """Send each (token, chosen expert) straight to a fixed slot of the expert's rank (docs/api.md: low-latency
         dispatch). x is [N, H] bf16 with N <= num_max_dispatch_tokens_per_rank; topk_idx [N, K] int64, -1 = none.
 
         Returns x [L, R*max, H] (FP8 with x_scales [L, R*max, H/128], or bf16), recv_count [L], and a handle for
         low_latency_combine. With return_recv_hook the send half runs now and ``result.hook()`` runs the receive
-        half; the arrays are valid after it.
+        half; the arrays are valid after it. ``dispatch_wait_recv_cost_stats`` (int64 [R]): the nanoseconds this
+        call waited for each source's counts are added to it (docs/api.md).
         """
         return self._low_latency.dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
                                           round_scale, use_ue8m0, return_recv_hook, async_finish,
-                                          cumulative_local_expert_recv_stats)
+                                          cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> Any:
         """A [L, R*max, H] bf16 array for the expert outputs of the next low_latency_combine (zero_copy=True).
@@ -309,16 +311,18 @@ class Buffer:
 
     def low_latency_combine(self, y: Any, topk_idx: Any, topk_weights: Any, handle: LowLatencyHandle,
                             zero_copy: bool = False, out: Any = None, return_recv_hook: bool = False,
-                            async_finish: bool = False, *, use_logfmt: bool = False) -> LowLatencyCombineResult:
+                            async_finish: bool = False, *, use_logfmt: bool = False,
+                            combine_wait_recv_cost_stats: Any = None) -> LowLatencyCombineResult:
         """For each token: sum over k with topk_idx[t, k] >= 0 of topk_weights[t, k] * (expert output of the row
         that answered (t, k)), in float32, as bf16 [N, H] (docs/api.md: low-latency combine).
 
         y is [L, R*max, H] bf16 in the layout the dispatch delivered; topk_idx/topk_weights are what this rank
         dispatched with. ``out`` receives the result if given. ``use_logfmt=True``: the rows travel as DeepEP's
         LogFMT-10 (10 bits a value per 128-channel group where the group allows it, bf16 where not).
+        ``combine_wait_recv_cost_stats`` (int64 [R]): the nanoseconds waited for each rank's rows are added to it.
         """
         return self._low_latency.combine(y, topk_idx, topk_weights, handle, zero_copy, out, return_recv_hook,
-                                         async_finish, use_logfmt)
+                                         async_finish, use_logfmt, combine_wait_recv_cost_stats)
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int | None = None, hidden: int | None = None,
                                  num_experts: int | None = None) -> None:

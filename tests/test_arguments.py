@@ -167,6 +167,28 @@ def test_low_latency_dispatch_keys_ints_and_refuses_flags_given_as_text():
             buf.low_latency_dispatch(None, None, 8, 64, **{flag: "False"})
 
 
+@pytest.mark.parametrize("call", ["dispatch", "combine"])
+def test_wait_stats_are_checked_before_a_plan_is_kept(call):
+    """DeepEP's dispatch_wait_recv_cost_stats / combine_wait_recv_cost_stats: int64 [ranks] on the GPU, refused by
+    name before the call's plan is made (a plan kept under a wrong array's key would skip the checks next time)."""
+    buf = _hollow()
+    front = buf._low_latency
+    front.plans = Plans()
+    front.ops.check_handle = lambda handle, buffer_id: None
+    handle = SimpleNamespace(num_topk=2, num_max_dispatch_tokens_per_rank=8, hidden=256, num_experts=64)
+    name = f"{call}_wait_recv_cost_stats"
+    for bad, match in ((np.zeros(2, np.int32), f"^{name} must be int64, got int32"),
+                       (np.zeros(3, np.int64), rf"^{name} must have shape \[R=2\] with R the number of ranks, "
+                                               r"got \[3\]"),
+                       (np.zeros(2, np.int64), f"^{name} must be on a CUDA device")):
+        with pytest.raises((ArgumentError, ArgumentTypeError), match=match):
+            if call == "dispatch":
+                buf.low_latency_dispatch(None, None, 8, 64, dispatch_wait_recv_cost_stats=bad)
+            else:
+                buf.low_latency_combine(None, None, None, handle, combine_wait_recv_cost_stats=bad)
+        assert not front.plans  # refused before any plan was kept
+
+
 def test_clean_low_latency_buffer_refuses_sizes_that_are_not_ints():
     buf = _hollow()
     for name, value in (("hidden", 256.0), ("num_experts", "64"), ("num_max_dispatch_tokens_per_rank", True)):

@@ -608,11 +608,14 @@ def test_clean_low_latency_buffer_first_sets_up_low_latency_mode(made):
 def test_low_latency_arguments_map_onto_epjits(made):
     b = Buffer(object(), 0, 0, low_latency_mode=True)
     x, idx, stats = np.zeros((3, 256)), _ints(3, 4), np.zeros(4, np.int32)
+    waits = np.zeros(2, np.int64)
     _, _, handle, event, _ = b.low_latency_dispatch(x, idx, 32, 8, cumulative_local_expert_recv_stats=stats,
-                                                    use_fp8=False, async_finish=True)
+                                                    dispatch_wait_recv_cost_stats=waits, use_fp8=False,
+                                                    async_finish=True)
     inner = made[0]
     name, args, kw = inner.calls[-1]
     assert args == (x, idx, 32, 8) and kw["cumulative_local_expert_recv_stats"] is stats
+    assert kw["dispatch_wait_recv_cost_stats"] is waits  # the wait-stats build's (epjit checks it)
     assert (kw["use_fp8"], kw["round_scale"], kw["use_ue8m0"], kw["async_finish"], kw["return_recv_hook"]) == (
         False, False, False, True, False)
     assert isinstance(event.event, EventHandle)
@@ -623,7 +626,9 @@ def test_low_latency_arguments_map_onto_epjits(made):
     name, args, kw = inner.calls[-1]
     assert args == (y, idx, w, handle.handle)
     assert kw == {"zero_copy": True, "out": out, "return_recv_hook": True, "async_finish": False,
-                  "use_logfmt": False}
+                  "use_logfmt": False, "combine_wait_recv_cost_stats": None}
+    b.low_latency_combine(y, idx, w, handle, combine_wait_recv_cost_stats=waits)
+    assert inner.calls[-1][2]["combine_wait_recv_cost_stats"] is waits
     assert (combined, event.event, hook) == ("combined_x", None, None)
     mine = np.ones((4, 64, 256), np.float32)
     b.low_latency_combine(mine, idx, w, handle)
@@ -662,13 +667,7 @@ def test_zero_copy_combine_sends_the_buffer_whatever_x_it_is_given(made):
 def test_what_epjit_lacks_is_refused_by_name(made):
     b = Buffer(object(), 0, 0, low_latency_mode=True)
     x, idx = np.zeros((3, 256)), _ints(3, 4)
-    refusals = {
-        "dispatch_wait_recv_cost_stats": lambda: b.low_latency_dispatch(x, idx, 32, 8,
-                                                                        dispatch_wait_recv_cost_stats=_ints(2)),
-        "combine_wait_recv_cost_stats": lambda: b.low_latency_combine(x, idx, idx, None,
-                                                                      combine_wait_recv_cost_stats=_ints(2)),
-        "get_local_buffer_tensor": lambda: b.get_local_buffer_tensor(None),
-    }
+    refusals = {"get_local_buffer_tensor": lambda: b.get_local_buffer_tensor(None)}
     for what, call in refusals.items():
         with pytest.raises(NotImplementedError, match=f"^{what} is not available in epjit's DeepEP API"):
             call()

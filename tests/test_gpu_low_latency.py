@@ -34,6 +34,10 @@ def _check(results: list[dict], n: int) -> None:
         assert r["graph_replays"] == 6, r
         assert r["loops"] >= 20, r
         assert r["extras"]["stats"] > 0 and "no NVLink buffer" in r["extras"]["normal_refused"], r
+        waits = r["wait_stats"]  # (the rank script checks the late rank's entries; here: they came, and refusals)
+        assert len(waits["ns"]["dispatch"]) == len(waits["ns"]["combine"]) == n, waits
+        assert "dispatch_wait_recv_cost_stats must be int64" in waits["refused"]["dtype"], waits
+        assert "dispatch_wait_recv_cost_stats must have shape [R=" in waits["refused"]["shape"], waits
         refused = r["refused"]
         assert "num_max_dispatch_tokens_per_rank=32" in refused["too_many_tokens"], refused
         assert "this Buffer was made for" in refused["wrong_experts"], refused

@@ -84,7 +84,9 @@ def test_build_variants_are_defines_of_one_source():
         "low_latency_shrink", "low_latency_puts_shrink", "low_latency_stores_shrink",
         "intranode_notify_shrink", "intranode_shrink", "intranode_combine_fp8_shrink",
         "internode_profile", "internode_stores_profile", "internode_combine_fp8_profile",
-        "internode_combine_fp8_stores_profile"}
+        "internode_combine_fp8_stores_profile", "low_latency_wait_stats", "low_latency_puts_wait_stats",
+        "low_latency_stores_wait_stats", "low_latency_shrink_wait_stats", "low_latency_puts_shrink_wait_stats",
+        "low_latency_stores_shrink_wait_stats"}
     for spec in variants:
         options = compile_options(spec, "sm_90", jit_config())
         assert [o for o in options if o.startswith("-D") and o != "-DNDEBUG"] == [f"-D{d}" for d in spec.DEFINES]

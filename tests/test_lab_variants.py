@@ -88,13 +88,13 @@ def test_signature_problems_name_a_missing_kernel_and_a_changed_count():
     kernels = dict(epjit.jit.parse_globals(text, "v.cu"))
     assert lab_variants.signature_problems(spec, kernels, "v.cu") == []
     del kernels["ll_combine_logfmt"]
-    dropped = text.replace("uint64_t* timeline) {\n    combine<false>", "uint64_t* timeline, int extra) {\n"
+    dropped = text.replace("int64_t* wait_stats) {\n    combine<false>", "int64_t* wait_stats, int extra) {\n"
                            "    combine<false>")
     assert dropped != text
     kernels["ll_combine"] = epjit.jit.parse_globals(dropped, "v.cu")["ll_combine"]
     problems = lab_variants.signature_problems(spec, kernels, "v.cu")
     assert len(problems) == 2, problems
-    assert problems[0].endswith("ll_combine takes 20 parameters, the built-in 19 (added: 'int extra')")
+    assert problems[0].endswith("ll_combine takes 21 parameters, the built-in 20 (added: 'int extra')")
     assert problems[1] == "v.cu has no __global__ function ll_combine_logfmt"
 
 

@@ -454,8 +454,6 @@ class Buffer:
                              return_recv_hook: bool = False) -> tuple[Any, Any, LowLatencyHandle, EventOverlap, Any]:
         """(recv_x or (recv_x, recv_x_scales), recv_count, handle, event, hook). The FP8 scales are in DeepEP's
         layout (DeepGEMM's: column-major, UE8M0 packed four to an int32; epjit.deep_ep.scales)."""
-        if dispatch_wait_recv_cost_stats is not None:
-            raise _unsupported("dispatch_wait_recv_cost_stats", "epjit's kernels do not time their waits")
         async_finish = _async_or_hook(async_finish, return_recv_hook, "low_latency_dispatch")
         hidden = _hidden_of(x)
         if use_ue8m0 is not False and check_flag(use_ue8m0, "use_ue8m0"):  # before any kernel runs
@@ -464,7 +462,8 @@ class Buffer:
         r = ll.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=use_fp8,
                                     round_scale=round_scale, use_ue8m0=use_ue8m0, return_recv_hook=return_recv_hook,
                                     async_finish=async_finish,
-                                    cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats)
+                                    cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+                                    dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats)
         handle = LowLatencyHandle(r.handle)
         if r.x_scales is None:
             return r.x, r.recv_count, handle, overlap_of(r.event, async_finish), r.hook
@@ -499,8 +498,6 @@ class Buffer:
                             out: Any = None,
                             combine_wait_recv_cost_stats: Any = None) -> tuple[Any, EventOverlap, Any]:
         """(combined_x, event, hook): for each token, sum over k of topk_weights * the expert output of its row."""
-        if combine_wait_recv_cost_stats is not None:
-            raise _unsupported("combine_wait_recv_cost_stats", "epjit's kernels do not time their waits")
         async_finish = _async_or_hook(async_finish, return_recv_hook, "low_latency_combine")
         ll = self._ll if self._ll is not None else self._made_low_latency()
         inner = _epjit_handle(handle, LowLatencyHandle, "low_latency_combine")
@@ -508,7 +505,7 @@ class Buffer:
             x = self._zero_copy_input(ll, x, inner)  # (with use_logfmt, epjit refuses the pair, as DeepEP asserts)
         c = ll.low_latency_combine(x, topk_idx, topk_weights, inner, zero_copy=zero_copy, out=out,
                                    return_recv_hook=return_recv_hook, async_finish=async_finish,
-                                   use_logfmt=use_logfmt)
+                                   use_logfmt=use_logfmt, combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
         return c.x, overlap_of(c.event, async_finish), c.hook
 
     def _zero_copy_input(self, ll: Any, x: Any, handle: Any) -> Any:

@@ -86,7 +86,7 @@ class LowLatencyFront:
 
     def dispatch(self, x: Any, topk_idx: Any, num_max_dispatch_tokens_per_rank: Any, num_experts: Any,
                  use_fp8: Any, round_scale: Any, use_ue8m0: Any, return_recv_hook: Any, async_finish: Any,
-                 stats: Any) -> LowLatencyDispatchResult:
+                 stats: Any, wait_stats: Any = None) -> LowLatencyDispatchResult:
         ops = self.ops
         ops.raise_status()
         if type(num_max_dispatch_tokens_per_rank) is not int or type(num_experts) is not int:  # as in dispatch
@@ -94,13 +94,14 @@ class LowLatencyFront:
                                                          "num_max_dispatch_tokens_per_rank", 1)
             num_experts = check_int(num_experts, "num_experts", 1)
         key = ("ll_dispatch", fingerprint(x), fingerprint(topk_idx), fingerprint(stats),
-               num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0)
+               num_max_dispatch_tokens_per_rank, num_experts, use_fp8, round_scale, use_ue8m0, fingerprint(wait_stats))
         plan = self.plans.get(key)
-        if plan is None:
+        if plan is None:  # (every array checked before the plan is kept under the key)
+            wait_stats = self._wait_stats(wait_stats, "dispatch_wait_recv_cost_stats")
             plan, x, topk_idx, stats = self._dispatch_plan(key, x, topk_idx, stats, num_max_dispatch_tokens_per_rank,
                                                            num_experts, use_fp8, round_scale, use_ue8m0)
         inputs = self.dispatch_inputs
-        inputs.x, inputs.topk_idx, inputs.cumulative_stats = x, topk_idx, stats
+        inputs.x, inputs.topk_idx, inputs.cumulative_stats, inputs.wait_stats = x, topk_idx, stats, wait_stats
         hook, async_finish = _flags(return_recv_hook, async_finish)
         return ops.dispatch(plan, inputs, self.buffer_id, hook, async_finish)
 
@@ -139,6 +140,14 @@ class LowLatencyFront:
         return (self.plans.remember(key, plan), kernel_array(x, x_info, "x"),
                 kernel_array(topk_idx, k_info, "topk_idx"), stats)
 
+    def _wait_stats(self, wait_stats: Any, name: str) -> Any:
+        """DeepEP's dispatch_wait_recv_cost_stats / combine_wait_recv_cost_stats, checked: int64 [ranks] (or None)."""
+        if wait_stats is None:
+            return None
+        info = check(wait_stats, name, dtype="int64", shape=(("R", self.num_ranks),),
+                     shape_note="with R the number of ranks", device=self.device)
+        return kernel_array(wait_stats, info, name)
+
     # ------------------------------------------------------------------------------------------------ combine
 
     def next_combine_buffer(self, handle: LowLatencyHandle) -> Any:
@@ -148,16 +157,18 @@ class LowLatencyFront:
         return from_cupy(ops.next_combine_buffer(handle), handle.meta.framework)
 
     def combine(self, y: Any, topk_idx: Any, topk_weights: Any, handle: LowLatencyHandle, zero_copy: Any,
-                out: Any, return_recv_hook: Any, async_finish: Any, use_logfmt: Any) -> LowLatencyCombineResult:
+                out: Any, return_recv_hook: Any, async_finish: Any, use_logfmt: Any,
+                wait_stats: Any = None) -> LowLatencyCombineResult:
         ops = self.ops
         ops.raise_status()
         ops.check_handle(handle, self.buffer_id)
         # use_logfmt is in the key as given: "False" (truthy) never finds a plan, and is refused there.
         key = ("ll_combine", fingerprint(y), fingerprint(topk_idx), fingerprint(topk_weights), fingerprint(out),
                handle.num_topk, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts,
-               use_logfmt)
+               use_logfmt, fingerprint(wait_stats))
         plan = self.plans.get(key)
-        if plan is None:
+        if plan is None:  # (every array checked before the plan is kept under the key)
+            wait_stats = self._wait_stats(wait_stats, "combine_wait_recv_cost_stats")
             plan, y, topk_idx, topk_weights, out = self._combine_plan(key, y, topk_idx, topk_weights, out, handle,
                                                                       use_logfmt)
         if check_flag(zero_copy, "zero_copy"):
@@ -169,6 +180,7 @@ class LowLatencyFront:
                     "zero_copy=True needs y from get_next_low_latency_combine_buffer(handle)"))
         inputs = self.combine_inputs
         inputs.y, inputs.topk_idx, inputs.topk_weights, inputs.out = y, topk_idx, topk_weights, out
+        inputs.wait_stats = wait_stats
         hook, async_finish = _flags(return_recv_hook, async_finish)
         return ops.combine(plan, inputs, handle, hook, async_finish)
 

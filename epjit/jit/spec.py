@@ -182,6 +182,11 @@ class KernelArgs:
             raise TypeError(f"{self.kernel} has no parameter {e.args[0]!r}; it has {', '.join(index)}") from None
         return self
 
+    def on(self, spec: KernelSpec) -> KernelArgs:
+        """These arguments, the same list, for another build of the same kernels (build_with), whose module
+        launches only arguments of its own spec."""
+        return KernelArgs(spec, self.kernel, self.values)
+
     def copy(self) -> KernelArgs:
         """An independent copy (for a launch that happens later, e.g. a receive hook)."""
         return KernelArgs(self.spec, self.kernel, list(self.values))

@@ -32,6 +32,7 @@ from .intranode import (
     shrink_spec,
 )
 from .low_latency import (
+    WAIT_STATS_BUILDS,
     LowLatencyPutsShrinkSpec,
     LowLatencyPutsSpec,
     LowLatencyShrinkSpec,
@@ -58,6 +59,7 @@ __all__ = [
     "LowLatencySpec",
     "LowLatencyStoresShrinkSpec",
     "LowLatencyStoresSpec",
+    "WAIT_STATS_BUILDS",
     "PutSignalCheckSpec",
     "by_stores",
     "check_specs",
@@ -114,6 +116,7 @@ def check_specs() -> list[KernelSpec]:
                   combine_fp8_spec(shrink_spec(intranode_spec(ranks)))]
     specs += [LowLatencySpec(), LowLatencyPutsSpec(), LowLatencyStoresSpec()]
     specs += [LowLatencyShrinkSpec(), LowLatencyPutsShrinkSpec(), LowLatencyStoresShrinkSpec()]
+    specs += [build() for build in WAIT_STATS_BUILDS.values()]  # (a call given wait-stats arrays loads them)
     # Across NVLink nodes: the topologies the GPU tier runs (nodes x ranks a node), through NVSHMEM and with the
     # RDMA leg as NVLink stores (virtual nodes on one host).
     for nodes, nvl_ranks in ((2, 1), (4, 1), (2, 2), (2, 4), (4, 2)):

@@ -25,7 +25,7 @@ COMBINE_ARGS = (
     ("layout_range", "const int64_t*"), ("topk_idx", "const int64_t*"), ("topk_weights", "const float*"),
     ("out", "int4*"), ("num_tokens", "int"), ("num_topk", "int"), ("hidden", "int"), ("num_experts", "int"),
     ("max_tokens", "int"), ("set", "int"), ("phases", "int"), ("force_puts", "int"),
-    ("sync", "LowLatencySync*"), ("host_status", "int*"), ("timeline", "uint64_t*"))
+    ("sync", "LowLatencySync*"), ("host_status", "int*"), ("timeline", "uint64_t*"), ("wait_stats", "int64_t*"))
 LOGFMT_CHANNELS = 128  # kLogfmtChannels: the channels one LogFMT group covers
 
 
@@ -42,7 +42,7 @@ class LowLatencySpec(KernelSpec):
             ("flags", "int"), ("force_puts", "int"), ("sync", "LowLatencySync*"),
             ("host_status", "int*"), ("recv_x", "int4*"), ("recv_scales", "void*"), ("recv_src_info", "int*"),
             ("recv_topk_slot", "int*"), ("layout_range", "int64_t*"), ("recv_count", "int*"),
-            ("cumulative_stats", "int*"), ("timeline", "uint64_t*")),
+            ("cumulative_stats", "int*"), ("timeline", "uint64_t*"), ("wait_stats", "int64_t*")),
         "ll_combine": COMBINE_ARGS,
         # The LogFMT-10 combine (launched on this build only: it has no put path, and its group words take the
         # staging region's place, cuda_src/low_latency.cuh).
@@ -89,6 +89,21 @@ LowLatencyStoresShrinkSpec = build_with(LowLatencyStoresSpec, "EPJIT_LL_SHRINK",
 SHRINK_BUILDS: dict[type[LowLatencySpec], type[LowLatencySpec]] = {
     LowLatencySpec: LowLatencyShrinkSpec, LowLatencyPutsSpec: LowLatencyPutsShrinkSpec,
     LowLatencyStoresSpec: LowLatencyStoresShrinkSpec}
+
+# The wait-stats build of each (a call given DeepEP's dispatch_wait_recv_cost_stats or combine_wait_recv_cost_stats):
+# EPJIT_LL_WAIT_STATS times each receive wait into the caller's int64 a rank; the other builds read no clock for it.
+WAIT_STATS = "EPJIT_LL_WAIT_STATS"
+LowLatencyWaitStatsSpec = build_with(LowLatencySpec, WAIT_STATS, "WaitStats", __name__)
+LowLatencyPutsWaitStatsSpec = build_with(LowLatencyPutsSpec, WAIT_STATS, "WaitStats", __name__)
+LowLatencyStoresWaitStatsSpec = build_with(LowLatencyStoresSpec, WAIT_STATS, "WaitStats", __name__)
+LowLatencyShrinkWaitStatsSpec = build_with(LowLatencyShrinkSpec, WAIT_STATS, "WaitStats", __name__)
+LowLatencyPutsShrinkWaitStatsSpec = build_with(LowLatencyPutsShrinkSpec, WAIT_STATS, "WaitStats", __name__)
+LowLatencyStoresShrinkWaitStatsSpec = build_with(LowLatencyStoresShrinkSpec, WAIT_STATS, "WaitStats", __name__)
+WAIT_STATS_BUILDS: dict[type[LowLatencySpec], type[LowLatencySpec]] = {
+    LowLatencySpec: LowLatencyWaitStatsSpec, LowLatencyPutsSpec: LowLatencyPutsWaitStatsSpec,
+    LowLatencyStoresSpec: LowLatencyStoresWaitStatsSpec, LowLatencyShrinkSpec: LowLatencyShrinkWaitStatsSpec,
+    LowLatencyPutsShrinkSpec: LowLatencyPutsShrinkWaitStatsSpec,
+    LowLatencyStoresShrinkSpec: LowLatencyStoresShrinkWaitStatsSpec}
 
 
 def _align(n: int) -> int:

@@ -35,6 +35,7 @@ from ..kernels.low_latency import (
     SHRINK_BUILDS,
     SYNC_BYTES,
     TIMELINE_POINTS,
+    WAIT_STATS_BUILDS,
     LowLatencyPutsSpec,
     LowLatencySpec,
     LowLatencyStoresSpec,
@@ -46,7 +47,7 @@ from ..memory import IpcHeap, MappedHostArray, PeerMemory, SymmetricHeap
 from .loader import load
 from .profile import Profile
 from .shrink import ShrinkMask, low_latency_shrink, sync_ints
-from .streams import Event, Outputs, Streams, caller_stream
+from .streams import Event, Outputs, Streams, caller_stream, is_capturing
 
 # Protocol constants of cuda_src/low_latency.cu (tests/test_low_latency_layout.py holds them against it).
 PHASE_SEND, PHASE_RECV = 1, 2  # kPhaseSend, kPhaseRecv: which halves a launch runs
@@ -211,6 +212,7 @@ class DispatchInputs:
     x: Any = None
     topk_idx: Any = None
     cumulative_stats: Any = None  # or None
+    wait_stats: Any = None  # int64 [ranks], or None (the wait-stats build's, DeepEP's dispatch_wait_recv_cost_stats)
 
 
 @dataclass(slots=True)
@@ -221,6 +223,7 @@ class CombineInputs:
     topk_idx: Any = None
     topk_weights: Any = None
     out: Any = None  # the caller's, or None: allocated by the call
+    wait_stats: Any = None  # int64 [ranks], or None (DeepEP's combine_wait_recv_cost_stats)
 
 
 @dataclass(eq=False)
@@ -271,6 +274,7 @@ class LowLatency:
         self.puts = needs_puts(force_puts, mem.sym)  # the build with a put path: no LogFMT combine there
         shrink = shrink_timeout_s is not None
         self.module = load(kernels_for(force_puts, mem.sym, shrink), device)
+        self._wait_stats_module: jit.Module | None = None  # its wait-stats build, loaded by the first call with stats
         with cupy.cuda.Device(device):
             # LowLatencySync + expert_sent (+ shrink mode's words and mask)
             self.sync = cupy.zeros(sync_ints(num_experts, self.num_ranks, shrink), dtype=cupy.int32)
@@ -297,7 +301,7 @@ class LowLatency:
         return self.module.spec.args(
             kernel, peers=self.mem.table_ptr, hidden=self.hidden, num_experts=self.num_experts,
             max_tokens=self.num_max_tokens, force_puts=self.force_puts, sync=int(self.sync.data.ptr),
-            host_status=self.host_status.device_ptr, timeline=0)
+            host_status=self.host_status.device_ptr, timeline=0, wait_stats=0)
 
     def dispatch_plan(self, framework: str, num_tokens: int, num_topk: int, use_fp8: bool, round_scale: bool,
                       use_ue8m0: bool) -> DispatchPlan:
@@ -338,16 +342,18 @@ class LowLatency:
         meta = _Meta(owner, fw, address(owner), plan.meta_offsets, plan.meta_shape)
         ptrs = meta.ptrs
         args = plan.args.copy() if hook else plan.args
-        stats = inputs.cumulative_stats  # (the optional arrays' None read inline: a call costs more than the test)
+        stats, waits = inputs.cumulative_stats, inputs.wait_stats  # (None read inline: a call costs more)
         args.set(x=address(inputs.x), topk_idx=address(inputs.topk_idx), set=s,
                  phases=PHASE_SEND if hook else PHASE_SEND | PHASE_RECV, recv_x=address(recv_x),
                  recv_scales=0 if recv_scales is None else address(recv_scales), recv_src_info=ptrs[0],
                  recv_topk_slot=ptrs[1], layout_range=ptrs[2], recv_count=ptrs[3],
-                 cumulative_stats=0 if stats is None else address(stats))
-        self._launch_dispatch(plan, args)
+                 cumulative_stats=0 if stats is None else address(stats), wait_stats=0 if waits is None else
+                 address(waits))
+        module = self.module if waits is None else self.wait_stats_module(caller)
+        self._launch_dispatch(plan, args, module)
         event = streams.finish(caller, async_finish)
         if async_finish and plan.kind == "torch":
-            streams.used_by_comm((recv_x, recv_scales, owner, inputs.x, inputs.topk_idx, inputs.cumulative_stats))
+            streams.used_by_comm((recv_x, recv_scales, owner, inputs.x, inputs.topk_idx, stats, waits))
         handle = LowLatencyHandle(self.num_max_tokens, self.hidden, self.num_experts, plan.num_topk, meta,
                                   buffer_id, [hook])
         run_hook = None
@@ -355,8 +361,9 @@ class LowLatency:
             def done() -> None:
                 handle.pending[0] = False
 
-            run_hook = self.hook(s, "dispatch", lambda: self._launch_dispatch(plan, args.set(phases=PHASE_RECV)),
-                                 fw, async_finish, (inputs.x, inputs.topk_idx), done)
+            run_hook = self.hook(s, "dispatch",
+                                 lambda: self._launch_dispatch(plan, args.set(phases=PHASE_RECV), module), fw,
+                                 async_finish, (inputs.x, inputs.topk_idx, waits), done)
         if fw not in ("torch", "cupy"):
             from ..arrays import from_cupy
 
@@ -373,12 +380,25 @@ class LowLatency:
         self.streams.begin(caller)
         return s, caller
 
-    def _launch_dispatch(self, plan: DispatchPlan, args: jit.KernelArgs) -> None:
+    def _launch_dispatch(self, plan: DispatchPlan, args: jit.KernelArgs, module: jit.Module) -> None:
         if self.profile.enabled:
             args.set(timeline=self.profile.timeline("ll_dispatch" + _PHASE_SUFFIX[args["phases"]], self.num_sms,
                                                     TIMELINE_POINTS))
-        self.module.launch(args, self.num_sms, LOW_LATENCY_THREADS, shared_mem=plan.shared_bytes,
-                           stream=self.streams.comm_ptr)
+        module.launch(args if module is self.module else args.on(module.spec), self.num_sms, LOW_LATENCY_THREADS,
+                      shared_mem=plan.shared_bytes, stream=self.streams.comm_ptr)
+
+    def wait_stats_module(self, caller: int) -> jit.Module:
+        """The wait-stats build of this Buffer's kernels (EPJIT_LL_WAIT_STATS), loaded by the first call given
+        wait-stats arrays: a module load would break a CUDA-graph capture, so that call cannot be captured."""
+        found = self._wait_stats_module
+        if found is None:
+            if is_capturing(caller):
+                raise ArgumentError(with_rank(
+                    "the first low-latency call given dispatch_wait_recv_cost_stats or combine_wait_recv_cost_stats "
+                    "loads the kernels' wait-stats build, which cannot happen inside a CUDA-graph capture: make one "
+                    "such call before capturing"))
+            found = self._wait_stats_module = load(WAIT_STATS_BUILDS[type(self.module.spec)](), self.device)
+        return found
 
     def combine(self, plan: CombinePlan, inputs: CombineInputs, handle: LowLatencyHandle, hook: bool,
                 async_finish: bool) -> LowLatencyCombineResult:
@@ -390,27 +410,31 @@ class LowLatency:
             out = plan.new_out()
         ptrs = handle.meta.ptrs
         args = plan.args.copy() if hook else plan.args
+        waits = inputs.wait_stats
         args.set(y=address(y), src_info=ptrs[0], topk_slot=ptrs[1], layout_range=ptrs[2], topk_idx=address(idx),
                  topk_weights=address(w), out=address(out), set=s,
-                 phases=PHASE_SEND if hook else PHASE_SEND | PHASE_RECV)
-        self._launch_combine(args)
+                 phases=PHASE_SEND if hook else PHASE_SEND | PHASE_RECV, wait_stats=0 if waits is None else
+                 address(waits))
+        module = self.module if waits is None else self.wait_stats_module(caller)
+        self._launch_combine(args, module)
         event = streams.finish(caller, async_finish)
         if async_finish and plan.kind == "torch":
-            streams.used_by_comm((out, y, idx, w))
+            streams.used_by_comm((out, y, idx, w, waits))
         # The receive half reads topk_idx and topk_weights (by address): the hook holds them until it runs.
-        run_hook = self.hook(s, "combine", lambda: self._launch_combine(args.set(phases=PHASE_RECV)), fw,
-                             async_finish, (y, idx, w, handle.meta)) if hook else None
+        run_hook = self.hook(s, "combine", lambda: self._launch_combine(args.set(phases=PHASE_RECV), module), fw,
+                             async_finish, (y, idx, w, handle.meta, waits)) if hook else None
         if fw not in ("torch", "cupy"):
             from ..arrays import from_cupy
 
             out = from_cupy(out, fw, name="combined_x")
         return LowLatencyCombineResult(out, event, run_hook)
 
-    def _launch_combine(self, args: jit.KernelArgs) -> None:
+    def _launch_combine(self, args: jit.KernelArgs, module: jit.Module) -> None:
         if self.profile.enabled:
             args.set(timeline=self.profile.timeline(args.kernel + _PHASE_SUFFIX[args["phases"]], self.num_sms,
                                                     TIMELINE_POINTS))
-        self.module.launch(args, self.num_sms, LOW_LATENCY_THREADS, stream=self.streams.comm_ptr)
+        module.launch(args if module is self.module else args.on(module.spec), self.num_sms, LOW_LATENCY_THREADS,
+                      stream=self.streams.comm_ptr)
 
     # ---------------------------------------------------------------------------------------------------- sets
 

@@ -378,6 +378,40 @@ def extras_check(buf, rank: int, R: int) -> dict:
     return {"stats": int(stats.sum()), "normal_refused": refused}
 
 
+def wait_stats_check(buf, group, rank: int, R: int) -> dict:
+    """dispatch_wait_recv_cost_stats and combine_wait_recv_cost_stats: the last rank starts each call ~20 ms late (a
+    GPU sleep before it on its stream), so every other rank's largest entry is that rank's, above 10 ms; no entry
+    is negative. Then the wrong arrays refused by name."""
+    m, experts = buf.num_max_dispatch_tokens_per_rank, buf.num_experts
+    xs, idxs, ws = make_inputs(91, [m] * R, buf.hidden, min(4, experts), experts, 0.0)
+    x, idx, w = to_torch(xs[rank]), to_torch(idxs[rank]), to_torch(ws[rank])
+    late, cycles = R - 1, 40_000_000  # about 20 ms at an H100's or H200's 2 GHz (more at a lower clock)
+    got = {}
+    for call in ("dispatch", "combine"):
+        waits = torch.zeros(R, dtype=torch.int64, device="cuda")
+        d = buf.low_latency_dispatch(x, idx, m, experts, use_fp8=False) if call == "combine" else None
+        group.barrier()
+        if rank == late:
+            torch.cuda._sleep(cycles)
+        if call == "dispatch":
+            buf.low_latency_dispatch(x, idx, m, experts, use_fp8=False, dispatch_wait_recv_cost_stats=waits)
+        else:
+            buf.low_latency_combine(d.x, idx, w, d.handle, combine_wait_recv_cost_stats=waits)
+        sync(buf)
+        got[call] = waits.tolist()
+        if min(got[call]) < 0 or (rank != late and (max(got[call]) != got[call][late] or got[call][late] < 10**7)):
+            raise Mismatch(f"{call}_wait_recv_cost_stats {got[call]}: rank {late} started 20 ms late")
+    refused = {}
+    for key, bad in (("dtype", torch.zeros(R, dtype=torch.int32, device="cuda")),
+                     ("shape", torch.zeros(R + 1, dtype=torch.int64, device="cuda"))):
+        try:
+            buf.low_latency_dispatch(x, idx, m, experts, use_fp8=False, dispatch_wait_recv_cost_stats=bad)
+            refused[key] = "NOT REFUSED"
+        except (ValueError, TypeError) as e:  # ArgumentError, ArgumentTypeError
+            refused[key] = str(e)
+    return {"ns": got, "refused": refused}
+
+
 def refusals(buf, group, rank: int, R: int) -> dict[str, str]:
     """Each Safe rule once: the exception's text (the test asserts on it)."""
     m, hidden, experts = buf.num_max_dispatch_tokens_per_rank, buf.hidden, buf.num_experts
@@ -495,6 +529,7 @@ def main() -> int:
     result["graph_replays"] = graph_check(mid, group, rank, R)
     result["loops"] = loops_check(small, rank, R, 20 if args.quick else args.loops)
     result["extras"] = extras_check(mid, rank, R)
+    result["wait_stats"] = wait_stats_check(mid, group, rank, R)
     result["refused"] = refusals(small, group, rank, R)
     return finish(result, bufs, group, started)
 
