@@ -232,6 +232,21 @@ class Buffer:
         module.launch(module.spec.args("nvl_barrier", peers=self.mem.table_ptr), 1, 32, stream=self.comm_stream)
         self.mem.synchronize(self.comm_stream)
 
+    def local_memory(self, symmetric: bool = False) -> tuple[int, int]:
+        """(device address, bytes) of this rank's own NVLink buffer (its num_nvl_bytes, after the control words) or,
+        with ``symmetric=True``, of its symmetric region (num_rdma_bytes; across NVLink nodes with both modes, both
+        regions): raw memory the kernels use during their calls and keep state in between (epjit.deep_ep's
+        get_local_buffer_tensor hands it out as DeepEP's does)."""
+        if self._closed:
+            raise EpjitError(with_rank(CLOSED))
+        if symmetric:
+            if self.mem.sym is None:
+                raise ArgumentError(with_rank("this Buffer has no symmetric region (num_rdma_bytes=0)"))
+            return self.mem.sym.base, self.mem.sym.num_bytes
+        if self.mem.nvl is None:
+            raise ArgumentError(with_rank("this Buffer has no NVLink buffer (num_nvl_bytes=0)"))
+        return self.mem.nvl_payload_ptr(), self.num_nvl_bytes
+
     def synchronize(self) -> None:
         """Wait for all of this Buffer's work; raises EpjitTimeoutError if a kernel gave up waiting, and what a
         refused or wrong earlier call found that no call has raised yet."""

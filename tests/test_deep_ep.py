@@ -297,6 +297,11 @@ class FakeEpjitBuffer:
     def _add_low_latency(self, *sizes, **kwargs):
         self._record("_add_low_latency", *sizes, **kwargs)
 
+    def local_memory(self, symmetric=False):  # this stand-in's "addresses": 1 << 40 (NVLink), 1 << 41 (heap)
+        if symmetric:
+            return 1 << 41, self.kwargs.get("num_rdma_bytes", 0) + 4096  # a heap a little larger than asked
+        return 1 << 40, self.kwargs["num_nvl_bytes"]
+
     def close(self):
         self.closed = True
         self.closes = getattr(self, "closes", 0) + 1
@@ -667,11 +672,8 @@ def test_zero_copy_combine_sends_the_buffer_whatever_x_it_is_given(made):
 def test_what_epjit_lacks_is_refused_by_name(made):
     b = Buffer(object(), 0, 0, low_latency_mode=True)
     x, idx = np.zeros((3, 256)), _ints(3, 4)
-    refusals = {"get_local_buffer_tensor": lambda: b.get_local_buffer_tensor(None)}
-    for what, call in refusals.items():
-        with pytest.raises(NotImplementedError, match=f"^{what} is not available in epjit's DeepEP API"):
-            call()
-    assert not made  # none of them made the low-latency Buffer
+    with pytest.raises(NotImplementedError, match="^use_fabric=True is not available in epjit's DeepEP API"):
+        Buffer(object(), 1 << 20, use_fabric=True)
     for call in (lambda: b.low_latency_dispatch(x, idx, 32, 8, async_finish=True, return_recv_hook=True),
                  lambda: b.low_latency_combine(x, idx, idx, None, async_finish=True, return_recv_hook=True)):
         with pytest.raises(ArgumentError, match="async_finish=True and return_recv_hook=True cannot be combined"):
@@ -681,6 +683,34 @@ def test_what_epjit_lacks_is_refused_by_name(made):
     assert not made  # refused before any kernel (or Buffer)
     with pytest.raises(ArgumentError, match="has no communication stream yet"):
         b.get_comm_stream()
+
+
+def test_local_buffer_tensors_view_the_epjit_buffers_own_memory(made, monkeypatch):
+    """get_local_buffer_tensor: the normal-mode Buffer's NVLink buffer, or the RDMA buffer (inside one NVLink node the
+    low-latency Buffer's, once it exists), from `offset` bytes on; the view itself is made on the GPU."""
+    views = []
+    monkeypatch.setattr(buffer_module, "_tensor_over", lambda *args: views.append(args) or "view")
+    b = Buffer(object(), 1 << 20, 1 << 16, low_latency_mode=True)
+    normal = made[0]
+    assert b.get_local_buffer_tensor("float32", (4, 8), offset=64) == "view"
+    assert views[-1] == ((1 << 40) + 64, (1 << 20) - 64, "float32", (4, 8), 0, normal)
+    with pytest.raises(ArgumentError, match="inside one NVLink node this Buffer's RDMA buffer is its low-latency "
+                                            "mode's, made at the first low_latency_dispatch"):
+        b.get_local_buffer_tensor("uint8", use_rdma_buffer=True)
+    b.low_latency_dispatch(np.zeros((3, 256)), _ints(3, 4), 32, 8, use_fp8=False)
+    ll = made[1]
+    b.get_local_buffer_tensor("uint8", use_rdma_buffer=True)
+    assert views[-1] == (1 << 41, 1 << 16, "uint8", None, 0, ll)  # DeepEP's num_rdma_bytes, not the heap's
+    with pytest.raises(ArgumentError, match=r"offset=1048577 is past the 1048576 bytes of the NVLink buffer"):
+        b.get_local_buffer_tensor("int8", offset=(1 << 20) + 1)
+    with pytest.raises(ArgumentError, match="offset must be an int >= 0, got -1"):
+        b.get_local_buffer_tensor("int8", offset=-1)
+    with pytest.raises(ArgumentTypeError, match="use_rdma_buffer must be True or False"):
+        b.get_local_buffer_tensor("int8", use_rdma_buffer="yes")
+    assert len(views) == 2
+    only_ll = Buffer(object(), 0, 1 << 16, low_latency_mode=True)
+    with pytest.raises(ArgumentError, match="no NVLink buffer for normal mode"):
+        only_ll.get_local_buffer_tensor("int8")
 
 
 def test_destroy_closes_both_buffers_once(made):

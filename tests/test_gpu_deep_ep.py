@@ -19,6 +19,7 @@ def _run(backend: str, n: int, env: dict[str, str], *args: str) -> list[dict]:
     for r in results:
         assert r["size"] == n and r["mismatch"] is None, r
         assert r["cases"] == 4 + 9 and r["ll_hint_matches"], r
+        assert r["local_buffers"]["nvl_ints"] > 0 and r["local_buffers"]["rdma_bytes"] > 0, r
     return results
 
 

@@ -75,6 +75,27 @@ def _unsupported(what: str, why: str) -> NotImplementedError:
     return NotImplementedError(with_rank(f"{what} is not available in epjit's DeepEP API: {why}"))
 
 
+def _tensor_over(address: int, num_bytes: int, dtype: Any, size: Any, device: int, owner: Any) -> Any:
+    """A torch tensor of ``dtype`` over ``num_bytes`` of device memory at ``address`` (1-D: every whole element;
+    with ``size``, its first prod(size) elements in that shape), holding ``owner`` (the memory is its)."""
+    import math
+
+    import cupy
+    import torch
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    count = num_bytes // itemsize
+    if size is not None:
+        shape = tuple(size)
+        if math.prod(shape) > count:
+            raise ArgumentError(with_rank(f"size={shape} needs {math.prod(shape)} elements of {dtype}, the buffer "
+                                          f"holds {count} from this offset"))
+    memory = cupy.cuda.UnownedMemory(address, count * itemsize, owner, device_id=device)
+    raw = cupy.ndarray((count * itemsize,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    tensor = torch.from_dlpack(raw).view(dtype)
+    return tensor if size is None else tensor[:math.prod(shape)].view(shape)
+
+
 def _capturing() -> bool:
     torch = sys.modules.get("torch")
     return bool(torch is not None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
@@ -289,8 +310,28 @@ class Buffer:
 
     def get_local_buffer_tensor(self, dtype: Any, size: Any = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> Any:
-        raise _unsupported("get_local_buffer_tensor", "epjit's buffers hold its own ring and slot layouts, not "
-                                                       "DeepEP's, and are not handed out")
+        """This rank's NVLink buffer, or with use_rdma_buffer its RDMA buffer, from byte ``offset`` on, as a 1-D
+        torch tensor of ``dtype`` (with ``size``: its first prod(size) elements in that shape), over the memory
+        itself. epjit's kernels use it during their calls and keep state in it between them (docs/deep_ep.md)."""
+        self._check_alive()
+        rdma = check_flag(use_rdma_buffer, "use_rdma_buffer")
+        offset = check_int(offset, "offset", 0)
+        if rdma:
+            inner = self._normal if self._group.num_nvl_ranks < self._group.size else self._ll
+            if inner is None:
+                raise ArgumentError(with_rank(
+                    "use_rdma_buffer=True: inside one NVLink node this Buffer's RDMA buffer is its low-latency "
+                    "mode's, made at the first low_latency_dispatch (or clean_low_latency_buffer(M, H, E)): make "
+                    "that call first"))
+            address, num_bytes = inner.local_memory(symmetric=True)
+            num_bytes = min(num_bytes, self.num_rdma_bytes)  # (both modes across nodes: normal mode's region)
+        else:
+            inner = self._normal_buffer()
+            address, num_bytes = inner.local_memory()
+        if offset > num_bytes:
+            raise ArgumentError(with_rank(f"offset={offset} is past the {num_bytes} bytes of the "
+                                          f"{'RDMA' if rdma else 'NVLink'} buffer"))
+        return _tensor_over(address + offset, num_bytes - offset, dtype, size, self._group.device, inner)
 
     def _config(self, config: Any, kind: str) -> EpjitConfig | None:
         """The epjit config of a call: the given one, or the default for Buffer.num_sms (None: epjit's own)."""

@@ -242,6 +242,27 @@ def run_rounds(buffer: Buffer, ll: Buffer, rank: int, R: int, nvl: int | None, r
     result["ll_hint_matches"] = ll.num_rdma_bytes == epjit.Buffer.get_low_latency_size_hint(m, hidden, R, experts)
 
 
+def local_buffers(buffer: Buffer, ll: Buffer, nvl: int | None) -> dict:
+    """get_local_buffer_tensor: views over this rank's own NVLink and RDMA buffers at the epjit Buffers' addresses,
+    written through one view and read through another; run after the rounds (the kernels keep state there)."""
+    import cupy
+
+    view = buffer.get_local_buffer_tensor(torch.int32, torch.Size([4, 8]), offset=1024)
+    address, num_bytes = buffer._normal.local_memory()
+    if view.data_ptr() != address + 1024 or view.shape != (4, 8) or view.dtype != torch.int32:
+        raise Mismatch(f"NVLink view at {view.data_ptr():#x} {tuple(view.shape)} {view.dtype}, buffer at {address:#x}")
+    view.copy_(torch.arange(32, dtype=torch.int32, device=view.device).view(4, 8))
+    whole = buffer.get_local_buffer_tensor(torch.int32)
+    if whole.numel() != num_bytes // 4 or not torch.equal(whole[256:288].cpu(), torch.arange(32, dtype=torch.int32)):
+        raise Mismatch(f"the whole NVLink view ({whole.numel()} ints of {num_bytes} bytes) does not hold the writes")
+    rdma_owner = buffer if nvl is not None else ll  # across nodes the normal Buffer's heap; else low latency's
+    rdma = rdma_owner.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True)
+    base, _ = (rdma_owner._normal if nvl is not None else rdma_owner._ll).local_memory(symmetric=True)
+    if rdma.data_ptr() != base or rdma.numel() != rdma_owner.num_rdma_bytes:
+        raise Mismatch(f"RDMA view at {rdma.data_ptr():#x}, {rdma.numel()} bytes; heap at {base:#x}")
+    return {"nvl_ints": whole.numel(), "rdma_bytes": rdma.numel(), "cupy": cupy.__version__}
+
+
 def main() -> int:
     args = parse_args()
     if args.backend == "nccl":
@@ -269,6 +290,7 @@ def main() -> int:
                 use_fabric=False, explicitly_destroy=True)
     try:
         run_rounds(buffer, ll, rank, R, nvl, result)
+        result["local_buffers"] = local_buffers(buffer, ll, nvl)
     except Mismatch as e:
         result["mismatch"] = str(e)[:400]
     finally:
