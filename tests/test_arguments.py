@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from epjit import ArgumentError, ArgumentTypeError, Buffer, Config
-from epjit.errors import check_flag, check_int, set_rank
+from epjit.errors import EpjitError, check_flag, check_int, set_rank
 from epjit.front.common import Plans
 from epjit.front.low_latency import LowLatencyFront
 from epjit.front.normal import IntranodeFront
@@ -187,6 +187,22 @@ def test_wait_stats_are_checked_before_a_plan_is_kept(call):
             else:
                 buf.low_latency_combine(None, None, None, handle, combine_wait_recv_cost_stats=bad)
         assert not front.plans  # refused before any plan was kept
+
+
+def test_local_memory_names_this_ranks_own_regions_and_refuses_a_missing_one():
+    buf = _hollow()
+    buf.num_nvl_bytes = 1 << 20
+    buf.mem = SimpleNamespace(nvl=object(), sym=None, nvl_payload_ptr=lambda: 0x7000)
+    assert buf.local_memory() == (0x7000, 1 << 20)
+    with pytest.raises(ArgumentError, match="this Buffer has no symmetric region"):
+        buf.local_memory(symmetric=True)
+    buf.mem = SimpleNamespace(nvl=None, sym=SimpleNamespace(base=0x9000, num_bytes=4096))
+    assert buf.local_memory(symmetric=True) == (0x9000, 4096)
+    with pytest.raises(ArgumentError, match="this Buffer has no NVLink buffer"):
+        buf.local_memory()
+    buf._closed = True
+    with pytest.raises(EpjitError, match="closed"):
+        buf.local_memory()
 
 
 def test_clean_low_latency_buffer_refuses_sizes_that_are_not_ints():
