@@ -689,7 +689,7 @@ def test_local_buffer_tensors_view_the_epjit_buffers_own_memory(made, monkeypatc
     """get_local_buffer_tensor: the normal-mode Buffer's NVLink buffer, or the RDMA buffer (inside one NVLink node the
     low-latency Buffer's, once it exists), from `offset` bytes on; the view itself is made on the GPU."""
     views = []
-    monkeypatch.setattr(buffer_module, "_tensor_over", lambda *args: views.append(args) or "view")
+    monkeypatch.setattr(buffer_module, "tensor_over", lambda *args: views.append(args) or "view")
     b = Buffer(object(), 1 << 20, 1 << 16, low_latency_mode=True)
     normal = made[0]
     assert b.get_local_buffer_tensor("float32", (4, 8), offset=64) == "view"

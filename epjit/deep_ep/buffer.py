@@ -34,6 +34,7 @@ from .scales import (
     is_column_major_scales,
 )
 from .utils import EventHandle, EventOverlap, event_on, overlap_of, previous_event_of
+from .views import tensor_over
 
 DEFAULT_NUM_SMS = 24  # epjit's measured default channel count (DeepEP's is 20: docs/deep_ep.md)
 LAYOUTS_KEPT = 4  # layouts get_dispatch_layout made that dispatch can still recognise (usually the last one)
@@ -73,27 +74,6 @@ def _new_epjit_buffer(group: Any, **kwargs: Any) -> Any:
 
 def _unsupported(what: str, why: str) -> NotImplementedError:
     return NotImplementedError(with_rank(f"{what} is not available in epjit's DeepEP API: {why}"))
-
-
-def _tensor_over(address: int, num_bytes: int, dtype: Any, size: Any, device: int, owner: Any) -> Any:
-    """A torch tensor of ``dtype`` over ``num_bytes`` of device memory at ``address`` (1-D: every whole element;
-    with ``size``, its first prod(size) elements in that shape), holding ``owner`` (the memory is its)."""
-    import math
-
-    import cupy
-    import torch
-
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    count = num_bytes // itemsize
-    if size is not None:
-        shape = tuple(size)
-        if math.prod(shape) > count:
-            raise ArgumentError(with_rank(f"size={shape} needs {math.prod(shape)} elements of {dtype}, the buffer "
-                                          f"holds {count} from this offset"))
-    memory = cupy.cuda.UnownedMemory(address, count * itemsize, owner, device_id=device)
-    raw = cupy.ndarray((count * itemsize,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
-    tensor = torch.from_dlpack(raw).view(dtype)
-    return tensor if size is None else tensor[:math.prod(shape)].view(shape)
 
 
 def _capturing() -> bool:
@@ -331,7 +311,7 @@ class Buffer:
         if offset > num_bytes:
             raise ArgumentError(with_rank(f"offset={offset} is past the {num_bytes} bytes of the "
                                           f"{'RDMA' if rdma else 'NVLink'} buffer"))
-        return _tensor_over(address + offset, num_bytes - offset, dtype, size, self._group.device, inner)
+        return tensor_over(address + offset, num_bytes - offset, dtype, size, self._group.device, inner)
 
     def _config(self, config: Any, kind: str) -> EpjitConfig | None:
         """The epjit config of a call: the given one, or the default for Buffer.num_sms (None: epjit's own)."""
