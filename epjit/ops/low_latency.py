@@ -335,6 +335,8 @@ class LowLatency:
     def dispatch(self, plan: DispatchPlan, inputs: DispatchInputs, buffer_id: int, hook: bool,
                  async_finish: bool) -> LowLatencyDispatchResult:
         """Send each (token, chosen expert) to its slot; with ``hook`` only the send half runs now."""
+        stats, waits = inputs.cumulative_stats, inputs.wait_stats  # (None read inline: a call costs more)
+        module = self.module if waits is None else self.wait_stats_module(plan.framework)
         s, caller = self._start("dispatch", plan.framework)
         fw, streams = plan.framework, self.streams
         recv_x, owner = plan.new_x(), plan.new_meta()
@@ -342,14 +344,12 @@ class LowLatency:
         meta = _Meta(owner, fw, address(owner), plan.meta_offsets, plan.meta_shape)
         ptrs = meta.ptrs
         args = plan.args.copy() if hook else plan.args
-        stats, waits = inputs.cumulative_stats, inputs.wait_stats  # (None read inline: a call costs more)
         args.set(x=address(inputs.x), topk_idx=address(inputs.topk_idx), set=s,
                  phases=PHASE_SEND if hook else PHASE_SEND | PHASE_RECV, recv_x=address(recv_x),
                  recv_scales=0 if recv_scales is None else address(recv_scales), recv_src_info=ptrs[0],
                  recv_topk_slot=ptrs[1], layout_range=ptrs[2], recv_count=ptrs[3],
                  cumulative_stats=0 if stats is None else address(stats), wait_stats=0 if waits is None else
                  address(waits))
-        module = self.module if waits is None else self.wait_stats_module(caller)
         self._launch_dispatch(plan, args, module)
         event = streams.finish(caller, async_finish)
         if async_finish and plan.kind == "torch":
@@ -387,12 +387,13 @@ class LowLatency:
         module.launch(args if module is self.module else args.on(module.spec), self.num_sms, LOW_LATENCY_THREADS,
                       shared_mem=plan.shared_bytes, stream=self.streams.comm_ptr)
 
-    def wait_stats_module(self, caller: int) -> jit.Module:
+    def wait_stats_module(self, framework: str) -> jit.Module:
         """The wait-stats build of this Buffer's kernels (EPJIT_LL_WAIT_STATS), loaded by the first call given
-        wait-stats arrays: a module load would break a CUDA-graph capture, so that call cannot be captured."""
+        wait-stats arrays: a module load would break a CUDA-graph capture, so that call cannot be captured (refused
+        before the call takes a buffer set)."""
         found = self._wait_stats_module
         if found is None:
-            if is_capturing(caller):
+            if is_capturing(caller_stream(framework, self.device)):
                 raise ArgumentError(with_rank(
                     "the first low-latency call given dispatch_wait_recv_cost_stats or combine_wait_recv_cost_stats "
                     "loads the kernels' wait-stats build, which cannot happen inside a CUDA-graph capture: make one "
@@ -403,6 +404,8 @@ class LowLatency:
     def combine(self, plan: CombinePlan, inputs: CombineInputs, handle: LowLatencyHandle, hook: bool,
                 async_finish: bool) -> LowLatencyCombineResult:
         """Send the expert outputs home and reduce them; with ``hook`` only the send half runs now."""
+        waits = inputs.wait_stats
+        module = self.module if waits is None else self.wait_stats_module(plan.framework)
         s, caller = self._start("combine", plan.framework)
         fw, streams = plan.framework, self.streams
         y, idx, w, out = inputs.y, inputs.topk_idx, inputs.topk_weights, inputs.out
@@ -410,12 +413,10 @@ class LowLatency:
             out = plan.new_out()
         ptrs = handle.meta.ptrs
         args = plan.args.copy() if hook else plan.args
-        waits = inputs.wait_stats
         args.set(y=address(y), src_info=ptrs[0], topk_slot=ptrs[1], layout_range=ptrs[2], topk_idx=address(idx),
                  topk_weights=address(w), out=address(out), set=s,
                  phases=PHASE_SEND if hook else PHASE_SEND | PHASE_RECV, wait_stats=0 if waits is None else
                  address(waits))
-        module = self.module if waits is None else self.wait_stats_module(caller)
         self._launch_combine(args, module)
         event = streams.finish(caller, async_finish)
         if async_finish and plan.kind == "torch":
