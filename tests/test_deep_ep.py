@@ -713,6 +713,22 @@ def test_local_buffer_tensors_view_the_epjit_buffers_own_memory(made, monkeypatc
         only_ll.get_local_buffer_tensor("int8")
 
 
+def test_local_buffer_view_shapes_and_refusals():
+    """The view's element count and shape (the CuPy view over the memory is the GPU tier's), arguments by name."""
+    torch = pytest.importorskip("torch")
+    from epjit.deep_ep.views import view_shape
+
+    assert view_shape(1030, torch.int32, None) == (257, None)  # whole elements only
+    assert view_shape(1024, torch.bfloat16, torch.Size([4, 8])) == (512, (4, 8))
+    with pytest.raises(ArgumentError, match=r"size=\(16, 17\) needs 272 elements of torch.float32, the buffer "
+                                            r"holds 256 from this offset"):
+        view_shape(1024, torch.float32, (16, 17))
+    with pytest.raises(ArgumentTypeError, match="dtype must be a torch.dtype, got 'float32'"):
+        view_shape(1024, "float32", None)
+    with pytest.raises(ArgumentTypeError, match="size must be a torch.Size or a sequence of ints, got 8"):
+        view_shape(1024, torch.int8, 8)
+
+
 def test_destroy_closes_both_buffers_once(made):
     b = Buffer(object(), 1 << 20, 0, low_latency_mode=True, explicitly_destroy=True)
     b.low_latency_dispatch(np.zeros((3, 256)), _ints(3, 4), 32, 8, use_fp8=False)

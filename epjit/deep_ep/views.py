@@ -5,7 +5,27 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ..errors import ArgumentError, with_rank
+from ..errors import ArgumentError, ArgumentTypeError, with_rank
+
+
+def view_shape(num_bytes: int, dtype: Any, size: Any) -> tuple[int, tuple[int, ...] | None]:
+    """(whole elements of ``dtype`` in ``num_bytes``, the view's shape: ``size`` as a tuple, or None for 1-D), with
+    the arguments checked by name."""
+    import torch
+
+    if not isinstance(dtype, torch.dtype):
+        raise ArgumentTypeError(with_rank(f"dtype must be a torch.dtype, got {dtype!r}"))
+    count = num_bytes // dtype.itemsize
+    if size is None:
+        return count, None
+    try:
+        shape = tuple(int(n) for n in size)
+    except TypeError:
+        raise ArgumentTypeError(with_rank(f"size must be a torch.Size or a sequence of ints, got {size!r}")) from None
+    if any(n < 0 for n in shape) or math.prod(shape) > count:
+        raise ArgumentError(with_rank(f"size={shape} needs {math.prod(shape)} elements of {dtype}, the buffer holds "
+                                      f"{count} from this offset"))
+    return count, shape
 
 
 def tensor_over(address: int, num_bytes: int, dtype: Any, size: Any, device: int, owner: Any) -> Any:
@@ -14,14 +34,8 @@ def tensor_over(address: int, num_bytes: int, dtype: Any, size: Any, device: int
     import cupy
     import torch
 
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    count = num_bytes // itemsize
-    if size is not None:
-        shape = tuple(size)
-        if math.prod(shape) > count:
-            raise ArgumentError(with_rank(f"size={shape} needs {math.prod(shape)} elements of {dtype}, the buffer "
-                                          f"holds {count} from this offset"))
-    memory = cupy.cuda.UnownedMemory(address, count * itemsize, owner, device_id=device)
-    raw = cupy.ndarray((count * itemsize,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+    count, shape = view_shape(num_bytes, dtype, size)
+    memory = cupy.cuda.UnownedMemory(address, count * dtype.itemsize, owner, device_id=device)
+    raw = cupy.ndarray((count * dtype.itemsize,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
     tensor = torch.from_dlpack(raw).view(dtype)
-    return tensor if size is None else tensor[:math.prod(shape)].view(shape)
+    return tensor if shape is None else tensor[:math.prod(shape)].view(shape)
