@@ -99,8 +99,7 @@ class Profile:
         # Kernels with a row a (channel, role): each role's points over its channels, the same way; a sum of waits
         # (_ns) a waiter of the role, over the channels that started the role.
         for name, roles, timeline in self.role_timelines:
-            rows = timeline.get().reshape(-1, len(roles), TIMELINE_SLOTS).astype(np.int64)
-            t0 = _first_start(rows)
+            rows, t0 = _role_rows(timeline.get(), roles)
             for r, role in enumerate(roles):
                 started = rows[:, r][rows[:, r, 0] > 0]
                 for i, point in enumerate(role.points):
@@ -127,8 +126,7 @@ class Profile:
                           *(round((int(v) - t0) / 1e3) if v > 0 else -1 for v in row[:len(points)]))
                          for row in stamps if row[0] > 0]  # blocks that never started work (spares) left out
         for name, roles, timeline in self.role_timelines:
-            rows = timeline.get().reshape(-1, len(roles), TIMELINE_SLOTS).astype(np.int64)
-            t0 = _first_start(rows)
+            rows, t0 = _role_rows(timeline.get(), roles)
             for r, role in enumerate(roles):
                 out[f"{name}:{role.name}"] = [
                     (int(row[TIMELINE_SM_SLOT]) - 1, (int(row[TIMELINE_TAG_SLOT]) - 1) % TIMELINE_ROLE_TAG_STRIDE,
@@ -152,10 +150,11 @@ def _spread(out: dict[str, float], key: str, ns: np.ndarray) -> None:
         out[f"{key}:max"] = round(float(ns.max()) / 1e3, 1)
 
 
-def _first_start(rows: np.ndarray) -> int:
-    """The earliest start (slot 0) of any row of a launch's [channel][role][slot] stamps (ns)."""
+def _role_rows(stamps: Any, roles: tuple[TimelineRole, ...]) -> tuple[np.ndarray, int]:
+    """A launch's stamps as int64 [channel][role][slot] (ns), and the earliest start (slot 0) of any row."""
+    rows = np.asarray(stamps).reshape(-1, len(roles), TIMELINE_SLOTS).astype(np.int64)
     starts = rows[..., 0]
-    return int(starts[starts > 0].min(initial=np.iinfo(np.int64).max))
+    return rows, int(starts[starts > 0].min(initial=np.iinfo(np.int64).max))
 
 
 def _us(value: int, t0: int, point: str, waiters: int) -> int:
@@ -199,8 +198,7 @@ def summarise_roles(kernel: str, roles: tuple[TimelineRole, ...], stamps: np.nda
     """The roles of one launch from its stamps (uint64 [channels x roles x TIMELINE_SLOTS], any shape that reshapes
     to it): one summary a role that some channel started (a role the launch does not have, e.g. NVLink receivers
     with one rank a node, has no rows)."""
-    rows = np.asarray(stamps).reshape(-1, len(roles), TIMELINE_SLOTS).astype(np.int64)
-    t0 = _first_start(rows)
+    rows, t0 = _role_rows(stamps, roles)
     started = [(role, rows[:, r][rows[:, r, 0] > 0]) for r, role in enumerate(roles)]
     return [_summarise_role(kernel, role, role_rows, t0) for role, role_rows in started if len(role_rows)]
 
