@@ -239,7 +239,7 @@ class Buffer:
         get_local_buffer_tensor hands it out as DeepEP's does)."""
         if self._closed:
             raise EpjitError(with_rank(CLOSED))
-        if symmetric:
+        if check_flag(symmetric, "symmetric"):
             if self.mem.sym is None:
                 raise ArgumentError(with_rank("this Buffer has no symmetric region (num_rdma_bytes=0)"))
             return self.mem.sym.base, self.mem.sym.num_bytes

@@ -200,6 +200,8 @@ def test_local_memory_names_this_ranks_own_regions_and_refuses_a_missing_one():
     assert buf.local_memory(symmetric=True) == (0x9000, 4096)
     with pytest.raises(ArgumentError, match="this Buffer has no NVLink buffer"):
         buf.local_memory()
+    with pytest.raises(ArgumentTypeError, match="symmetric must be True or False, got 'yes'"):
+        buf.local_memory(symmetric="yes")
     buf._closed = True
     with pytest.raises(EpjitError, match="closed"):
         buf.local_memory()
