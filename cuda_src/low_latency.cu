@@ -149,18 +149,26 @@ __device__ __forceinline__ bool wait_peer(const PeersTable* peers, const Shrink&
     }
 }
 
-// The wait-stats build's clock around a receive wait (wait_stats_since before it, add_wait_stats after): the
-// nanoseconds go to wait_stats[pe], an int64 a rank that the caller keeps adding to. The other builds read no clock
-// and add nothing: both compile to nothing there.
+// The wait-stats build's clock around a receive wait: wait_stats_since before it, wait_stats_arrived inside its
+// condition (a lane's own arrival: a warp's lanes wait for different peers and leave the loop together, so a clock
+// read after it would charge every lane's peer with the slowest one's wait), add_wait_stats after. The nanoseconds
+// go to wait_stats[pe], an int64 a rank that the caller keeps adding to. The other builds read no clock and add
+// nothing: all three compile to nothing there.
 __device__ __forceinline__ uint64_t wait_stats_since() {
     if constexpr (kWaitStats) return ptx::globaltimer_ns();
     return 0;
 }
 
-__device__ __forceinline__ void add_wait_stats(int64_t* wait_stats, int pe, uint64_t since) {
+__device__ __forceinline__ void wait_stats_arrived(uint64_t& arrived, bool keep_waiting) {
+    if constexpr (kWaitStats)
+        if (!keep_waiting) arrived = ptx::globaltimer_ns();
+}
+
+// `arrived` 0: the condition never held (a shrink build's masked peer): the wait lasted until now.
+__device__ __forceinline__ void add_wait_stats(int64_t* wait_stats, int pe, uint64_t since, uint64_t arrived) {
     if constexpr (kWaitStats)
         atomicAdd(reinterpret_cast<unsigned long long*>(wait_stats + pe),
-                  static_cast<unsigned long long>(ptx::globaltimer_ns() - since));
+                  static_cast<unsigned long long>((arrived != 0 ? arrived : ptx::globaltimer_ns()) - since));
 }
 
 // Shrink build: every block of the grid past this point before any goes on, so every block reads one mask after
@@ -963,7 +971,7 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
             const bool is_count = j < num_pairs;
             const int src = is_count ? j % num_ranks : j - num_pairs;
             const uint64_t* word = is_count ? lay.counts + j : lay.formats + src;
-            uint64_t seen_word = 0;
+            uint64_t seen_word = 0, arrived = 0;
             const uint64_t since = wait_stats_since();
             wait_peer(peers, s, WaitSite{is_count ? "ll_dispatch: count of local expert (channel) from peer"
                                                   : "ll_dispatch: format word from peer",
@@ -971,11 +979,12 @@ ll_dispatch(const PeersTable* peers, const int4* x, const int64_t* topk_idx, int
                       [&](int64_t& seen) {
                           seen_word = ptx::ld_acquire_sys_u64(word);
                           seen = signal_epoch(seen_word);
+                          wait_stats_arrived(arrived, seen != epoch);
                           return seen != epoch;
                       });
             // every block waits for every count: block 0's waits are the ones counted (as DeepEP, a (local
             // expert, source) pair's once)
-            if (is_count && blockIdx.x == 0) add_wait_stats(wait_stats, src, since);
+            if (is_count && blockIdx.x == 0) add_wait_stats(wait_stats, src, since, arrived);
             const int value = static_cast<int>(static_cast<uint32_t>(seen_word));
             if (is_count)
                 pair_count[j] = -value - 1;
@@ -1257,13 +1266,15 @@ __device__ __forceinline__ void combine(const PeersTable* peers, const int4* y, 
             if (expert < 0 || expert >= num_experts) continue;
             const uint64_t* word = lay.flags + expert;
             const uint64_t since = wait_stats_since();
+            uint64_t arrived = 0;
             wait_peer(peers, s, WaitSite{"ll_combine: rows of expert (channel) from its rank",
                                          static_cast<int>(expert) / num_local, static_cast<int>(expert), epoch},
                       [&](int64_t& seen) {
                           seen = signal_epoch(ptx::ld_acquire_sys_u64(word));
+                          wait_stats_arrived(arrived, seen != epoch);
                           return seen != epoch;
                       });
-            add_wait_stats(wait_stats, static_cast<int>(expert) / num_local, since);  // each (token, k)'s wait
+            add_wait_stats(wait_stats, static_cast<int>(expert) / num_local, since, arrived);  // a (token, k)'s wait
         }
         // Shrink build: the terms of a masked owner are skipped (zero), by one mask for the whole grid.
         if constexpr (kShrink) grid_sync(peers, s);
