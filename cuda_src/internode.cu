@@ -1266,16 +1266,27 @@ __device__ __forceinline__ void quantize_partial(const int4* const* rows, char* 
     const int row_int4 = hidden / 8;
     uint2* q = reinterpret_cast<uint2*>(msg_x(out));
     float* scales = msg_scales(out, hidden);
-    for (int i0 = 0; i0 < row_int4; i0 += 32) {
-        const int i = i0 + lane;
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    constexpr int kUnroll = kNumNvlRanks < 4 ? 4 / kNumNvlRanks : 1;  // columns a lane loads at once (the bf16 sum's)
+    for (int i0 = 0; i0 < row_int4; i0 += 32 * kUnroll) {
+        int4 v[kUnroll][kNumNvlRanks];
 #pragma unroll
-        for (int j = 0; j < kNumNvlRanks; ++j)
-            if (i < row_int4 && rows[j] != nullptr) add_bf16x8(acc, ptx::ld_volatile_global_v4(rows[j] + i));
-        const float scale = block128_scale(acc);  // every lane
-        if (i < row_int4) {
-            q[i] = quantize_x8(acc, __fdiv_rn(1.0f, scale));
-            if (i % 16 == 0) scales[i / 16] = scale;
+        for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+            for (int j = 0; j < kNumNvlRanks; ++j)
+                if (i0 + 32 * u + lane < row_int4 && rows[j] != nullptr)
+                    v[u][j] = ptx::ld_volatile_global_v4(rows[j] + i0 + 32 * u + lane);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = i0 + 32 * u + lane;
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+            for (int j = 0; j < kNumNvlRanks; ++j)
+                if (i < row_int4 && rows[j] != nullptr) add_bf16x8(acc, v[u][j]);
+            const float scale = block128_scale(acc);  // every lane
+            if (i < row_int4) {
+                q[i] = quantize_x8(acc, __fdiv_rn(1.0f, scale));
+                if (i % 16 == 0) scales[i / 16] = scale;
+            }
         }
     }
 }
