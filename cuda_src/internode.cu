@@ -1266,7 +1266,7 @@ __device__ __forceinline__ void quantize_partial(const int4* const* rows, char* 
     const int row_int4 = hidden / 8;
     uint2* q = reinterpret_cast<uint2*>(msg_x(out));
     float* scales = msg_scales(out, hidden);
-    constexpr int kUnroll = kNumNvlRanks < 4 ? 4 / kNumNvlRanks : 1;  // columns a lane loads at once (the bf16 sum's)
+    constexpr int kUnroll = kNumNvlRanks < 8 ? 8 / kNumNvlRanks : 1;  // columns a lane loads at once (the bf16 sum's)
     for (int i0 = 0; i0 < row_int4; i0 += 32 * kUnroll) {
         int4 v[kUnroll][kNumNvlRanks];
 #pragma unroll
@@ -1337,7 +1337,7 @@ __device__ void forward_partial(const InternodeCall& call, int n, char* out, con
     } else {
         // Two or more columns a lane at once (4 loads in flight on nodes of 2): one at a time kept only V loads in
         // flight and waited a load's latency for each. Each column's sum is still the ranks ascending.
-        constexpr int kUnroll = V < 4 ? 4 / V : 1;
+        constexpr int kUnroll = V < 8 ? 8 / V : 1;
         for (int i0 = lane; i0 < row_int4; i0 += 32 * kUnroll) {
             int4 v[kUnroll][V];
 #pragma unroll
