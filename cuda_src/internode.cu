@@ -1266,16 +1266,27 @@ __device__ __forceinline__ void quantize_partial(const int4* const* rows, char* 
     const int row_int4 = hidden / 8;
     uint2* q = reinterpret_cast<uint2*>(msg_x(out));
     float* scales = msg_scales(out, hidden);
-    for (int i0 = 0; i0 < row_int4; i0 += 32) {
-        const int i = i0 + lane;
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    constexpr int kUnroll = kNumNvlRanks < 8 ? 8 / kNumNvlRanks : 1;  // columns a lane loads at once (the bf16 sum's)
+    for (int i0 = 0; i0 < row_int4; i0 += 32 * kUnroll) {
+        int4 v[kUnroll][kNumNvlRanks];
 #pragma unroll
-        for (int j = 0; j < kNumNvlRanks; ++j)
-            if (i < row_int4 && rows[j] != nullptr) add_bf16x8(acc, ptx::ld_volatile_global_v4(rows[j] + i));
-        const float scale = block128_scale(acc);  // every lane
-        if (i < row_int4) {
-            q[i] = quantize_x8(acc, __fdiv_rn(1.0f, scale));
-            if (i % 16 == 0) scales[i / 16] = scale;
+        for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+            for (int j = 0; j < kNumNvlRanks; ++j)
+                if (i0 + 32 * u + lane < row_int4 && rows[j] != nullptr)
+                    v[u][j] = ptx::ld_volatile_global_v4(rows[j] + i0 + 32 * u + lane);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+            const int i = i0 + 32 * u + lane;
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+            for (int j = 0; j < kNumNvlRanks; ++j)
+                if (i < row_int4 && rows[j] != nullptr) add_bf16x8(acc, v[u][j]);
+            const float scale = block128_scale(acc);  // every lane
+            if (i < row_int4) {
+                q[i] = quantize_x8(acc, __fdiv_rn(1.0f, scale));
+                if (i % 16 == 0) scales[i / 16] = scale;
+            }
         }
     }
 }
@@ -1324,12 +1335,25 @@ __device__ void forward_partial(const InternodeCall& call, int n, char* out, con
     if constexpr (kFp8) {
         quantize_partial<V>(rows, out, call.hidden, lane);
     } else {
-        for (int i = lane; i < row_int4; i += 32) {
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        // Two or more columns a lane at once (4 loads in flight on nodes of 2): one at a time kept only V loads in
+        // flight and waited a load's latency for each. Each column's sum is still the ranks ascending.
+        constexpr int kUnroll = V < 8 ? 8 / V : 1;
+        for (int i0 = lane; i0 < row_int4; i0 += 32 * kUnroll) {
+            int4 v[kUnroll][V];
 #pragma unroll
-            for (int j = 0; j < V; ++j)
-                if (rows[j] != nullptr) add_bf16x8(acc, ptx::ld_volatile_global_v4(rows[j] + i));
-            msg_x(out)[i] = pack_bf16x8(acc);
+            for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+                for (int j = 0; j < V; ++j)
+                    if (i0 + 32 * u < row_int4 && rows[j] != nullptr)
+                        v[u][j] = ptx::ld_volatile_global_v4(rows[j] + i0 + 32 * u);
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+                float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+                for (int j = 0; j < V; ++j)
+                    if (i0 + 32 * u < row_int4 && rows[j] != nullptr) add_bf16x8(acc, v[u][j]);
+                if (i0 + 32 * u < row_int4) msg_x(out)[i0 + 32 * u] = pack_bf16x8(acc);
+            }
         }
     }
     if (y_topk_weights != nullptr && lane < K) {
