@@ -1098,8 +1098,9 @@ __device__ __forceinline__ LogfmtRange logfmt_range(float amax, float amin) {
 // indices, then 2 bits a value: index bit 8, sign), at the start of its 256-byte place; a bf16 group fills it. A
 // group word is bf16 amax | bf16 amin << 16 of a cast group (never 0: amax > 0), 0 of a bf16 one. The stores are
 // plain: the caller's bar.sync and system-scope fence order them before the expert's flag, as the bf16 rows.
-__device__ __forceinline__ void send_logfmt_row(int4* dst, uint32_t* meta, const int4* src, int row_int4, int lane) {
-    for (int base = 0; base < row_int4; base += 32) {
+__device__ __forceinline__ void send_logfmt_row(int4* dst, uint32_t* meta, const int4* src, int row_int4, int lane,
+                                                int slice, int slices) {
+    for (int base = 32 * slice; base < row_int4; base += 32 * slices) {
         const int i = base + lane;
         // row_int4 is a multiple of 16: a half-warp is wholly in the row or wholly past it (then its shuffles stay
         // among its own lanes, and it stores nothing).
@@ -1215,15 +1216,21 @@ __device__ __forceinline__ void combine(const PeersTable* peers, const int4* y, 
             // Nothing to a masked home; each warp of the group reads the mask for itself, so all of them still
             // reach the group's barrier below.
             const bool gone = masked(s, home);
-            for (int i = sub; !gone && i < n; i += w) {
-                const int64_t row = e * rows_per_expert + begin + i;
-                const int4* src = y + row * row_int4;
-                if constexpr (kLogfmt) {  // the host runs it only where every peer has an NVLink pointer
+            if constexpr (kLogfmt) {  // the host runs it only where every peer has an NVLink pointer
+                // Encoding is arithmetic a value, so a pair of fewer rows than warps splits each row's 32-int4
+                // steps among its warps (the same bits: every step encodes its own two groups).
+                const int slices = n > 0 ? max(1, min(w / n, (row_int4 + 31) / 32)) : 1;
+                for (int item = sub; !gone && item < n * slices; item += w) {
+                    const int64_t row = e * rows_per_expert + begin + item / slices;
                     const int token = __ldg(src_info + row), k = __ldg(topk_slot + row);
                     send_logfmt_row(on_peer(peers, lay.combine_slot(token, k), home),
-                                    on_peer(peers, lay.combine_meta(token, k), home), src, row_int4, lane);
-                    continue;
+                                    on_peer(peers, lay.combine_meta(token, k), home), y + row * row_int4, row_int4,
+                                    lane, item % slices, slices);
                 }
+            }
+            for (int i = sub; !kLogfmt && !gone && i < n; i += w) {
+                const int64_t row = e * rows_per_expert + begin + i;
+                const int4* src = y + row * row_int4;
                 int4* mine = lay.combine_slot(__ldg(src_info + row), __ldg(topk_slot + row));
                 if (direct)
                     warp_copy(on_peer(peers, mine, home), src, row_int4, lane);
