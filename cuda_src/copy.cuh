@@ -40,6 +40,23 @@ __device__ __forceinline__ void warp_copy(int4* dst, const int4* src, int n, int
                                     [](const int4* p) { return ptx::ld_global_nc_L1_no_allocate_v4(p); });
 }
 
+// One warp's share of a row that `slices` warps copy together (slice 0..slices-1): the int4 columns
+// 32 * slice + lane, stepping 32 * slices, kInFlight loads a lane in flight. A row of one warp is a chain of
+// memory round trips (a bf16 row of 7168 is 4); split among idle warps it is one.
+template <int kInFlight = 8>
+__device__ __forceinline__ void warp_copy_slice(int4* dst, const int4* src, int n, int lane, int slice, int slices) {
+    const int step = 32 * slices;
+    for (int i = 32 * slice + lane; i < n; i += step * kInFlight) {
+        int4 v[kInFlight];
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j)  // past the end: the last word again (no predicate held to the stores)
+            v[j] = ptx::ld_global_nc_L1_no_allocate_v4(src + min(i + step * j, n - 1));
+#pragma unroll
+        for (int j = 0; j < kInFlight; ++j)
+            if (i + step * j < n) ptx::st_global_L1_no_allocate_v4(dst + i + step * j, v[j]);
+    }
+}
+
 // From memory another GPU writes during this kernel (ring slots, receive slots): the non-coherent path must not
 // serve it.
 __device__ __forceinline__ void warp_copy_peer_written(int4* dst, const int4* src, int n, int lane) {
