@@ -17,6 +17,9 @@
 # name order, then the working tree; JSON and logs under $OUT, then one table a variant.
 set -uo pipefail
 mode=${1:-}
+# The archive name for a run's logs under $OUT: NAME.tgz, or NAME-2.tgz, ... when an earlier run in the same $OUT
+# left one (two A/Bs in one GPU call keep both).
+fresh() { local name=$1.tgz i=2; while [ -e "$OUT/$name" ]; do name=$1-$i.tgz; i=$((i + 1)); done; echo "$name"; }
 if [ "$mode" = run ] || [ "$mode" = host ]; then  # both take [rounds] then arguments for what they run
   shift
   rounds=${1:-2}; shift || true
@@ -70,7 +73,7 @@ case $mode in
       echo "=== $side ($([ $side = new ] && echo 'working tree' || cat ".ab/$side/.rev"))"
       python3 -m epjit.bench --summary "$OUT"/ab-$side-*.json
     done
-    (cd "$OUT" && tar czf ab-logs.tgz --remove-files ab-*.log ab-*.json);;
+    (cd "$OUT" && tar czf "$(fresh ab-logs)" --remove-files ab-*.log ab-*.json);;
   host)
     sides=$(cd .ab && for d in */; do [ -d "$d/epjit" ] && echo "${d%/}"; done)
     for round in $(seq "$rounds"); do
@@ -90,7 +93,7 @@ for name in runs[0]["host_us"]:
     print(f"  {name:<32}" + "".join(f"{run['host_us'][name]:9.1f}" for run in runs))
 PY
     done
-    (cd "$OUT" && tar czf host-logs.tgz --remove-files host-*.log host-*.json);;
+    (cd "$OUT" && tar czf "$(fresh host-logs)" --remove-files host-*.log host-*.json);;
   *) echo "usage: gpu_ab.sh prepare REV [NAME] | save NAME | variant NAME [VAR=VALUE...] [-- bench args...] |" \
           "run [rounds] [bench arguments...]"; exit 2;;
 esac
