@@ -55,6 +55,24 @@ def low_latency_rdma_bytes(group: Group, m: int, h: int, e: int, num_rdma_bytes:
     return num_rdma_bytes or need
 
 
+def _check_num_topk(num_topk: int) -> None:
+    """A low-latency dispatch takes 1 to LOW_LATENCY_MAX_TOPK experts a token (eager and jitted alike)."""
+    if not 1 <= num_topk <= LOW_LATENCY_MAX_TOPK:
+        raise ArgumentError(with_rank(f"topk_idx has {num_topk} columns; 1 to {LOW_LATENCY_MAX_TOPK} are "
+                                      "supported in low-latency mode"))
+
+
+def _fp8_options(use_fp8: bool, round_scale: bool, use_ue8m0: bool, hidden: int) -> bool:
+    """A dispatch's FP8 options checked against each other and the hidden size: round_scale as the kernels take it
+    (use_ue8m0 implies it)."""
+    round_scale = round_scale or use_ue8m0
+    if not use_fp8 and round_scale:
+        raise ArgumentError(with_rank("round_scale and use_ue8m0 need use_fp8=True"))
+    if use_fp8 and hidden % 128:
+        raise ArgumentError(with_rank(f"use_fp8=True needs hidden % 128 == 0, hidden={hidden}"))
+    return round_scale
+
+
 def _flags(return_recv_hook: Any, async_finish: Any) -> tuple[bool, bool]:
     """A call's two flags as bools (refused as check_flag refuses them), the common case read without a call."""
     if type(return_recv_hook) is not bool or type(async_finish) is not bool:
@@ -125,14 +143,8 @@ class LowLatencyFront:
         k_info = check(topk_idx, "topk_idx", dtype="int64", shape=(("N", num_tokens), "K"),
                        shape_note="with N matching x", device=dev)
         num_topk = k_info.shape[1]
-        if not 1 <= num_topk <= LOW_LATENCY_MAX_TOPK:
-            raise ArgumentError(with_rank(f"topk_idx has {num_topk} columns; 1 to {LOW_LATENCY_MAX_TOPK} are "
-                                          "supported in low-latency mode"))
-        round_scale = round_scale or use_ue8m0
-        if not use_fp8 and round_scale:
-            raise ArgumentError(with_rank("round_scale and use_ue8m0 need use_fp8=True"))
-        if use_fp8 and hidden % 128:
-            raise ArgumentError(with_rank(f"use_fp8=True needs hidden % 128 == 0, hidden={hidden}"))
+        _check_num_topk(num_topk)
+        round_scale = _fp8_options(use_fp8, round_scale, use_ue8m0, hidden)
         if stats is not None:
             name = "cumulative_local_expert_recv_stats"
             stats = kernel_array(stats, check(stats, name, dtype="int32", shape=(e // r,), device=dev), name)
@@ -225,16 +237,10 @@ class LowLatencyFront:
         m, hidden = res.num_max_dispatch_tokens_per_rank, res.hidden
         if num_tokens > m:
             raise ArgumentError(with_rank(f"x has {num_tokens} tokens but num_max_dispatch_tokens_per_rank={m}"))
-        if not 1 <= num_topk <= LOW_LATENCY_MAX_TOPK:
-            raise ArgumentError(with_rank(f"topk_idx has {num_topk} columns; 1 to {LOW_LATENCY_MAX_TOPK} are "
-                                          "supported in low-latency mode"))
+        _check_num_topk(num_topk)
         if call == "combine":
             return LowLatencyCombineSite(self.ops, num_tokens, num_topk)
-        round_scale = round_scale or use_ue8m0
-        if not use_fp8 and round_scale:
-            raise ArgumentError(with_rank("round_scale and use_ue8m0 need use_fp8=True"))
-        if use_fp8 and hidden % 128:
-            raise ArgumentError(with_rank(f"use_fp8=True needs hidden % 128 == 0, hidden={hidden}"))
+        round_scale = _fp8_options(use_fp8, round_scale, use_ue8m0, hidden)
         return LowLatencyDispatchSite(self.ops, num_tokens, num_topk, use_fp8, round_scale, use_ue8m0)
 
     # ------------------------------------------------------------------------------------------------ reset
