@@ -266,3 +266,16 @@ def test_a_config_that_is_not_a_config_is_refused_naming_it():
 def test_config_chunks_below_one_are_refused(field):
     with pytest.raises(ArgumentError, match=f"Config.{field}=0 must be >= 1"):
         dataclasses.replace(Config(24, 6, 256), **{field: 0})
+
+
+def test_a_jitted_low_latency_site_refuses_what_the_eager_call_refuses():
+    """epjit.jax's call sites take their sizes at trace time and are checked by the eager dispatch's own rules:
+    tokens past the Buffer's maximum, top-k outside 1..LOW_LATENCY_MAX_TOPK, round_scale or use_ue8m0 without
+    use_fp8, each by the same message, before any site is made."""
+    front = _hollow()._low_latency
+    for sizes, match in (({"num_tokens": 9, "num_topk": 2}, r"^x has 9 tokens but num_max_dispatch_tokens_per_rank=8"),
+                         ({"num_tokens": 4, "num_topk": 0}, r"^topk_idx has 0 columns; 1 to \d+ are supported"),
+                         ({"num_tokens": 4, "num_topk": 2, "use_ue8m0": True},
+                          r"^round_scale and use_ue8m0 need use_fp8=True")):
+        with pytest.raises(ArgumentError, match=match):
+            front.xla_site("dispatch", **sizes)
